@@ -1,0 +1,98 @@
+"""consistent_ops: one numerics contract for trainer and rollout, behind one op set.
+
+Every op whose bits decide a log-prob is a function here; the active backend
+(reference | triton | ascend, see dispatch.py) implements it with the same
+signature. The rules are written in contract.py; ``contract_fingerprint()`` is
+what both engines log and must agree on.
+"""
+from .contract import KV_BLOCK, fingerprint
+from .dispatch import backend_name, contract_fingerprint, get_backend, set_backend
+
+
+def attention_varlen(q, k, v, cu_seqlens, scale=None):
+    """Packed causal GQA attention; q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [S+1]."""
+    return get_backend().attention_varlen(q, k, v, cu_seqlens, scale)
+
+
+def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None):
+    """New tokens against a paged KV cache [pages, page_size, Hkv, D] that already holds them."""
+    return get_backend().attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+    return get_backend().write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def linear(x, weight, bias=None, out_dtype=None):
+    return get_backend().linear(x, weight, bias, out_dtype)
+
+
+def row_parallel_partial(x_shard, w_shard):
+    return get_backend().row_parallel_partial(x_shard, w_shard)
+
+
+def ordered_sum(partials):
+    return get_backend().ordered_sum(partials)
+
+
+def finish_row_parallel(total, bias=None, out_dtype=None):
+    return get_backend().finish_row_parallel(total, bias, out_dtype)
+
+
+def row_parallel_linear(x, weight, tp_size, bias=None, out_dtype=None):
+    """TP=tp_size row-parallel linear emulated in one process: contiguous K-shards,
+    partials in rank order. A real rank group gets the same bits with
+    row_parallel_partial + parallel.gather_ordered_sum + finish_row_parallel."""
+    k = x.shape[-1]
+    if k % tp_size:
+        raise ValueError(f"K={k} is not divisible by tp_size={tp_size}")
+    parts = [row_parallel_partial(xs, ws) for xs, ws in
+             zip(x.split(k // tp_size, -1), weight.split(k // tp_size, -1))]
+    return finish_row_parallel(ordered_sum(parts), bias, out_dtype or x.dtype)
+
+
+def rms_norm(x, weight, eps):
+    return get_backend().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    return get_backend().add_rms_norm(x, residual, weight, eps)
+
+
+def rope_cos_sin(positions, head_dim, theta):
+    return get_backend().rope_cos_sin(positions, head_dim, theta)
+
+
+def apply_rope(x, cos, sin):
+    return get_backend().apply_rope(x, cos, sin)
+
+
+def silu_mul(gate, up):
+    return get_backend().silu_mul(gate, up)
+
+
+def embedding(ids, weight):
+    return get_backend().embedding(ids, weight)
+
+
+def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
+    return get_backend().moe_route(x, gate_weight, top_k, norm_topk_prob)
+
+
+def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
+    return get_backend().moe_expert_contributions(x, ids, weights, experts, local_experts)
+
+
+def moe_combine(contrib, out_dtype):
+    return get_backend().moe_combine(contrib, out_dtype)
+
+
+def log_softmax(logits, temperature=1.0, vocab_limit=None):
+    return get_backend().log_softmax(logits, temperature, vocab_limit)
+
+
+def token_logprobs(logits, token_ids, temperature=1.0, vocab_limit=None):
+    return get_backend().token_logprobs(logits, token_ids, temperature, vocab_limit)
+
+
+__all__ = [n for n in dir() if not n.startswith("_")]

@@ -1,0 +1,99 @@
+"""The numerics contract: every rule that decides the bits of a log-prob, in one place.
+
+Both engines (trainer and rollout) call the same op functions; this module writes
+down what those functions compute, so that a reader, a backend author and the
+fingerprint all see one text. A backend realises the COMMON rules exactly and
+states how it realises contractions (its ``ACCUMULATION`` entry); two engines
+agree bitwise only when they log the same fingerprint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+VERSION = 1
+
+# Keys are walked in fixed blocks of KV_BLOCK positions, from position 0, in order,
+# in every attention path (training varlen, prefill, chunked prefill, decode).
+# It is independent of the KV-cache page size on purpose (rule 2/3 of the seeds).
+KV_BLOCK = 64
+
+COMMON = {
+    "attention": (
+        "causal GQA; keys walked in blocks of KV_BLOCK from position 0 in order; per block "
+        "s = contract_dot(q, k) * scale (fp32), masked (key_pos > query_pos or >= seq_len) to -inf; "
+        "online softmax in fp32: m' = max(m, rowmax s); a = exp(m - m'); p = exp(s - m'); "
+        "l = l*a + rowsum(p); acc = acc*a + contract_dot(p, v); out = acc / l, rounded to the "
+        "input dtype. Fully masked blocks are exact no-ops (a = 1, p = 0), so walking further "
+        "never changes bits. KV for this step is written to the cache before attention."),
+    "linear": "out[m, n] = contract_dot(x[m, :], w[n, :]) (+ bias in fp32), rounded to out dtype",
+    "linear_row_parallel": (
+        "k contiguous K-shards in rank order; each rank's partial is the contraction of its "
+        "shard in the backend's partial dtype; partials are gathered (never all-reduced by "
+        "the backend) and summed in rank order 0..k-1, then rounded to the out dtype"),
+    "rms_norm": (
+        "x32 = x (fp32); var = sum(x32^2) / H (reduction per ACCUMULATION); "
+        "y = (x32 * (1 / sqrt(var + eps))) -> dtype, then * weight in dtype; "
+        "fused residual: r = x + residual in dtype first"),
+    "rope": (
+        "neox rotate-half; inv_freq = theta^(-2i/d) and angles = pos * inv_freq in fp64; "
+        "cos/sin in fp64 rounded to fp32 per position (never depends on table length); "
+        "y = x*cos + rotate_half(x)*sin in fp32, rounded to dtype"),
+    "silu_mul": "g32 = gate (fp32); silu = g32 / (1 + exp(-g32)); y = (silu * up32) -> dtype",
+    "embedding": "row gather (exact)",
+    "moe_router": (
+        "logits = contract_dot(x, w_gate) in fp32; softmax in fp32 (exp per transcendentals); "
+        "top-k by descending prob, ties to the LOWER expert id (stable sort); "
+        "weights renormalised by their fp32 sum when norm_topk_prob"),
+    "moe_experts": (
+        "per (token, slot): down(silu_mul(gate(x), up(x))) with the linear rule, contribution "
+        "kept in fp32 and scaled by its fp32 routing weight; combine = sum over slots 0..k-1 "
+        "in slot order in fp32, rounded to dtype; contributions are computed identically on "
+        "whichever rank holds the expert and exchanged by gather, never summed across ranks"),
+    "logprobs": (
+        "logits fp32 (lm_head with out dtype fp32); z = logits / T in fp32; vocabulary rows "
+        ">= vocab_limit (the tokenizer length) are -inf, i.e. excluded; m = max z; "
+        "lse = log(sum exp(z - m)) with exp/log/sum per ACCUMULATION; logp = (z - m) - lse -> fp32"),
+    "transcendentals": (
+        "exp, log, cos, sin evaluated in fp64 and rounded to fp32 (vectorised and scalar "
+        "CPU paths differ in fp32); rsqrt/sigmoid/silu kernels are never used; sqrt and "
+        "division are IEEE correctly rounded"),
+    "tie_rule": "top-k ties resolve to the lower index",
+}
+
+# How each backend realises contract_dot and reductions. The reference backend
+# accumulates in fp64: products of bf16/fp32 inputs are exact in fp64, and its
+# summation error (< K * 2^-53 relative) sits ~2^29 below one fp32 ulp, so the
+# single rounding to fp32 does not see the BLAS's order, batch size or threads.
+ACCUMULATION = {
+    "reference": {
+        "contract_dot": "fp64 products and sums (any order), rounded once to fp32",
+        "reductions": "fp64, rounded once to fp32",
+        "tp_partial_dtype": "float64",
+    },
+    "triton": {
+        "contract_dot": "fp32 accumulator, K walked in tiles of 64 in order, no split-K",
+        "reductions": "fp32, one row per program, fixed block of 1024 walked in order",
+        "tp_partial_dtype": "float32",
+    },
+    "ascend": {
+        "contract_dot": "CANN batch-invariant matmul (fp32 accumulation, fixed tiling)",
+        "reductions": "CANN batch-invariant sum, fp32",
+        "tp_partial_dtype": "float32",
+    },
+}
+
+
+def contract_text(backend: str) -> str:
+    """The canonical text both engines hash: common rules + this backend's realisation."""
+    if backend not in ACCUMULATION:
+        raise ValueError(f"unknown consistent_ops backend {backend!r}; choose one of {sorted(ACCUMULATION)}")
+    doc = {"version": VERSION, "kv_block": KV_BLOCK, "common": COMMON,
+           "backend": backend, "accumulation": ACCUMULATION[backend]}
+    return json.dumps(doc, sort_keys=True)
+
+
+def fingerprint(backend: str) -> str:
+    """Short id logged by both engines; equal fingerprints = same numerics."""
+    digest = hashlib.sha256(contract_text(backend).encode()).hexdigest()[:12]
+    return f"cops-v{VERSION}-{backend}-{digest}"

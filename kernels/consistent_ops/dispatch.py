@@ -1,0 +1,49 @@
+"""Backend choice: one key, resolved once per process, logged with the fingerprint."""
+import importlib
+import logging
+import os
+
+from .contract import ACCUMULATION, fingerprint
+
+log = logging.getLogger("consistent_ops")
+
+ENV_KEY = "CONSISTENT_OPS_BACKEND"   # the single channel: auto | reference | triton | ascend
+_MODULES = {"reference": "consistent_ops.reference", "triton": "consistent_ops.triton",
+            "ascend": "consistent_ops.ascend"}
+_active = None
+
+
+def _auto():
+    """Pick by device: CUDA -> triton, NPU -> ascend, otherwise reference (when present)."""
+    import torch
+    if torch.cuda.is_available() and importlib.util.find_spec("consistent_ops.triton"):
+        return "triton"
+    if hasattr(torch, "npu") and importlib.util.find_spec("consistent_ops.ascend"):
+        return "ascend"
+    return "reference"
+
+
+def set_backend(name=None):
+    """Select and import a backend (None -> $CONSISTENT_OPS_BACKEND or auto). Returns its module."""
+    global _active
+    name = name or os.environ.get(ENV_KEY, "auto")
+    if name == "auto":
+        name = _auto()
+    if name not in _MODULES or name not in ACCUMULATION:
+        raise ValueError(f"{ENV_KEY}={name!r} is not a backend; use auto, {', '.join(sorted(_MODULES))}")
+    _active = importlib.import_module(_MODULES[name])
+    log.info("consistent_ops backend=%s contract=%s", name, fingerprint(name))
+    return _active
+
+
+def get_backend():
+    return _active or set_backend()
+
+
+def backend_name():
+    return get_backend().NAME
+
+
+def contract_fingerprint():
+    """The fingerprint of the active backend's contract; both engines log and compare it."""
+    return fingerprint(backend_name())

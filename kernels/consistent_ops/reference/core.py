@@ -1,0 +1,34 @@
+"""Contraction, reduction and transcendental primitives of the reference backend.
+
+Every rounding-sensitive step goes through here. Contractions and reductions are
+done in fp64 and rounded ONCE to fp32: fp64 products of bf16/fp32 inputs are
+exact, and the summation error is ~2^29 below an fp32 ulp, so the result does not
+see the BLAS kernel's order, the batch shape or the thread count. Transcendentals
+are evaluated in fp64 too because ATen's vectorised and scalar-tail fp32 paths
+return different bits for the same input (seen for silu/sigmoid/rsqrt on CPU).
+"""
+import torch
+
+
+def matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp64 accumulation, rounded once to fp32."""
+    return torch.matmul(a.double(), b.double()).float()
+
+
+def sum32(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """Sum over ``dim`` in fp64, rounded once to fp32."""
+    return x.double().sum(dim, keepdim=keepdim).float()
+
+
+def exp32(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.double()).float()
+
+
+def log32(x: torch.Tensor) -> torch.Tensor:
+    return torch.log(x.double()).float()
+
+
+def inv_sqrt32(x: torch.Tensor) -> torch.Tensor:
+    """1/sqrt(x) from IEEE sqrt and division (never the rsqrt kernel)."""
+    x = x.float()
+    return 1.0 / torch.sqrt(x)

@@ -1,0 +1,27 @@
+"""Log-probs with temperature and the padded-vocabulary rule."""
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _temperature_column(temperature, logits):
+    """Temperature as an fp32 tensor [rows, 1]: true IEEE division (a Python-scalar
+    divisor lets ATen multiply by 1/T instead, which rounds differently)."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    return t.reshape(-1, 1) if t.ndim else t.reshape(1, 1)
+
+
+def log_softmax(logits, temperature=1.0, vocab_limit=None):
+    """fp32 log-probs [rows, V] of logits [rows, V]; rows >= vocab_limit are excluded (-inf)."""
+    z = logits.float() / _temperature_column(temperature, logits)
+    if vocab_limit is not None and vocab_limit < z.shape[-1]:
+        z = z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= vocab_limit, NEG_INF)
+    zs = z - z.amax(-1, keepdim=True)
+    lse = torch.log(torch.exp(zs.double()).sum(-1, keepdim=True)).float()
+    return zs - lse
+
+
+def token_logprobs(logits, token_ids, temperature=1.0, vocab_limit=None):
+    """fp32 log-prob [rows] of token_ids [rows] under log_softmax(logits, ...)."""
+    lp = log_softmax(logits, temperature, vocab_limit)
+    return torch.gather(lp, -1, token_ids.long().reshape(-1, 1)).reshape(-1)

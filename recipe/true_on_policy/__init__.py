@@ -1,0 +1,1 @@
+"""verl-true-on-policy recipe: models and verl/vLLM adapters for bitwise-equal log-probs."""

@@ -1,0 +1,122 @@
+"""Causal LM = Qwen3Model + vocab-parallel LM head, and the trainer-facing module.
+
+``CausalLM`` is what both engines hold (the vLLM model class subclasses it), so
+parameter names, weight loading and logits are shared. ``ConsistentForCausalLM``
+adds the trainer's view: packed or padded batches, varlen attention, autograd and
+the contract's log-probs.
+"""
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import consistent_ops as co
+
+from .config import ModelConfig
+from .layers import TensorParallel
+from .qwen3 import LMHead, Qwen3Model
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.model = Qwen3Model(cfg, tp)
+        self.lm_head = LMHead(cfg, tp)
+        if cfg.tie_word_embeddings and not tp.sharded:
+            self.lm_head.weight = self.model.embed_tokens.weight   # one tensor, like HF
+
+    def compute_logits(self, hidden):
+        """fp32 logits [T, vocab_size] (padded vocabulary rows included)."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights):
+        """weights: iterable of (HF name, FULL tensor). Returns the parameter names set."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            targets = [name] + ([LM_HEAD] if name == EMBED and self.cfg.tie_word_embeddings else [])
+            for target in targets:
+                if target not in params:
+                    continue  # e.g. an expert owned by another rank
+                module = self.get_submodule(target.rsplit(".", 1)[0])
+                with torch.no_grad():
+                    module.weight_loader(params[target], tensor)
+                loaded.add(target)
+        return loaded
+
+    def load_checkpoint(self, path):
+        from safetensors import safe_open
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}: pass a HF checkpoint directory")
+        loaded = set()
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                loaded |= self.load_weights((k, st.get_tensor(k)) for k in st.keys())
+        missing = set(dict(self.named_parameters(remove_duplicate=False))) - loaded
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks parameters: {sorted(missing)[:5]} ...")
+        return self
+
+
+def packed_layout(position_ids):
+    """cu_seqlens [S+1] from packed position ids that restart at 0 for each sequence."""
+    starts = torch.nonzero(position_ids == 0).flatten()
+    end = torch.tensor([position_ids.numel()], device=position_ids.device)
+    return torch.cat([starts, end]).to(torch.int64)
+
+
+class ConsistentForCausalLM(CausalLM):
+    """Trainer-side module. TP of the rollout is emulated in-process with ``tp_size``
+    (only row-parallel sums depend on it; everything else is TP-invariant)."""
+
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
+        super().__init__(cfg, TensorParallel(size=tp_size))
+
+    @classmethod
+    def from_pretrained(cls, path, tp_size=1, dtype=None):
+        cfg = ModelConfig.from_dir(path)
+        if dtype is not None:
+            cfg.dtype = dtype
+        return cls(cfg, tp_size).load_checkpoint(path)
+
+    def forward_packed(self, input_ids, position_ids, cu_seqlens=None):
+        """input_ids, position_ids [T]; returns fp32 logits [T, V]."""
+        cu = packed_layout(position_ids) if cu_seqlens is None else cu_seqlens
+        attend = lambda _i, q, k, v: co.attention_varlen(q, k, v, cu)
+        return self.compute_logits(self.model(input_ids, position_ids, attend))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
+        """Padded [B, S] (with attention_mask) or packed [1, T] / [T] (with position_ids
+        or cu_seqlens). Returns fp32 logits in the input's layout."""
+        if attention_mask is None:
+            flat = input_ids.reshape(-1)
+            if position_ids is None:
+                position_ids = _positions_from_cu(cu_seqlens, flat.numel(), flat.device)
+            logits = self.forward_packed(flat, position_ids.reshape(-1), cu_seqlens)
+            return logits.reshape(*input_ids.shape, -1)
+        mask = attention_mask.bool()
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        lens = mask.sum(-1)
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        logits = self.forward_packed(input_ids[mask], pos[mask], cu)
+        out = logits.new_zeros(*input_ids.shape, logits.shape[-1])
+        out[mask] = logits
+        return out
+
+    def next_token_logprobs(self, logits, input_ids, temperature=1.0, vocab_limit=None):
+        """log p(input_ids[..., t+1] | prefix) from logits[..., t, :], same layout minus one step."""
+        v = logits.shape[-1]
+        lp = co.token_logprobs(logits[..., :-1, :].reshape(-1, v), input_ids[..., 1:].reshape(-1),
+                               temperature, vocab_limit)
+        return lp.reshape(input_ids[..., 1:].shape)
+
+
+def _positions_from_cu(cu_seqlens, total, device):
+    if cu_seqlens is None:
+        return torch.arange(total, device=device)
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    return torch.cat([torch.arange(n, device=device) for n in lens])

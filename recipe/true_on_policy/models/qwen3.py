@@ -1,0 +1,141 @@
+"""Qwen3 and Qwen3-MoE layer math, written once on consistent_ops.
+
+The trainer module (causal_lm.py) and the vLLM model class both build these
+layers and pass an ``attend(layer_idx, q, k, v)`` callable: packed varlen
+attention for training, paged attention over vLLM's KV cache for rollout.
+Everything else (projections, norms, RoPE, MLP/MoE, residual order) is this file.
+"""
+import torch
+from torch import nn
+
+import consistent_ops as co
+from consistent_ops import parallel
+
+from .config import ModelConfig
+from .layers import (ColumnParallelLinear, Embedding, ReplicatedLinear, RMSNorm, RowParallelLinear,
+                     TensorParallel, _check_divisible)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        _check_divisible("num_attention_heads", cfg.num_heads, tp.size)
+        _check_divisible("num_key_value_heads", cfg.num_kv_heads, tp.size)
+        d, dt, b = cfg.head_dim, cfg.dtype, cfg.attention_bias
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * d, tp, b, dt)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * d, tp, b, dt)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * d, tp, b, dt)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, tp, b, dt)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+        self.head_dim = d
+
+    def qkv(self, x, cos, sin):
+        """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
+        t, d = x.shape[0], self.head_dim
+        q = self.q_norm(self.q_proj(x).view(t, -1, d))
+        k = self.k_norm(self.k_proj(x).view(t, -1, d))
+        v = self.v_proj(x).view(t, -1, d)
+        return co.apply_rope(q, cos, sin), co.apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, attend):
+        q, k, v = self.qkv(x, cos, sin)
+        return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden, inter, tp, dtype):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, dtype=dtype)
+        self.up_proj = ColumnParallelLinear(hidden, inter, tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, tp, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(co.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class Expert(nn.Module):
+    """One expert, whole on the rank that owns it (experts are placed, not split)."""
+
+    def __init__(self, hidden, inter, dtype):
+        super().__init__()
+        self.gate_proj = ReplicatedLinear(hidden, inter, dtype=dtype)
+        self.up_proj = ReplicatedLinear(hidden, inter, dtype=dtype)
+        self.down_proj = ReplicatedLinear(inter, hidden, dtype=dtype)
+
+    def weights(self, dtype):
+        return tuple(m.weight.to(dtype) for m in (self.gate_proj, self.up_proj, self.down_proj))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts. Under TP the experts are spread over the ranks (contiguous id
+    ranges) and their per-slot contributions exchanged by owner, so the result does
+    not depend on where an expert lives."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        _check_divisible("num_experts", cfg.num_experts, tp.size)
+        per_rank = cfg.num_experts // tp.size
+        local = range(tp.rank * per_rank, (tp.rank + 1) * per_rank) if tp.sharded else range(cfg.num_experts)
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, dtype=cfg.dtype)
+        self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.dtype)
+                                      for e in local})
+        self.top_k, self.norm_topk_prob, self.tp = cfg.top_k, cfg.norm_topk_prob, tp
+
+    def forward(self, x):
+        ids, w = co.moe_route(x, self.gate.weight.to(x.dtype), self.top_k, self.norm_topk_prob)
+        experts = {int(e): m.weights(x.dtype) for e, m in self.experts.items()}
+        contrib, owned = co.moe_expert_contributions(x, ids, w, experts, sorted(experts))
+        if self.tp.sharded:
+            contrib = parallel.gather_owned(contrib, owned, self.tp.group)
+        return co.moe_combine(contrib, x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, tp: TensorParallel):
+        super().__init__()
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = (SparseMoeBlock(cfg, tp) if idx in cfg.moe_layers
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, tp, cfg.dtype))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+    def forward(self, hidden, residual, cos, sin, attend):
+        """HF order: x = x + attn(norm(x)); x = x + mlp(norm(x)); the residual add is
+        fused into the next norm (the same bf16 add either way)."""
+        h, residual = self.input_layernorm(hidden, residual, fuse_residual=True)
+        h = self.self_attn(h, cos, sin, attend)
+        h, residual = self.post_attention_layernorm(h, residual, fuse_residual=True)
+        return self.mlp(h), residual
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder layers, final norm: hidden states [T, H] for flat tokens."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+    def forward(self, input_ids, positions, attend, hidden=None):
+        """attend(layer_idx, q, k, v) -> [T, Hq, D]; ``hidden`` overrides the embedding."""
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids, self.cfg.dtype)
+        cos, sin = co.rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
+        return self.norm(hidden, residual, fuse_residual=True)[0]
+
+
+class LMHead(ColumnParallelLinear):
+    """Vocab-parallel output layer: fp32 logits; shards are concatenated (exact)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__(cfg.hidden_size, cfg.vocab_size, tp, dtype=cfg.dtype, out_dtype=torch.float32)
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return parallel.gather_concat(logits, -1, self.tp.group) if self.tp.sharded else logits
