@@ -5,8 +5,8 @@ NEG_INF = float("-inf")
 
 
 def _temperature_column(temperature, logits):
-    """Temperature as an fp32 tensor [rows, 1]: true IEEE division (a Python-scalar
-    divisor lets ATen multiply by 1/T instead, which rounds differently)."""
+    """Temperature as an fp32 tensor [rows, 1] (one per row, as vLLM's sampler holds it):
+    z = logits / T is one IEEE division, never a multiplication by 1/T (rounds differently)."""
     t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
     return t.reshape(-1, 1) if t.ndim else t.reshape(1, 1)
 

@@ -1,0 +1,112 @@
+"""Attention invariance: training (packed) == prefill == chunked prefill == decode ==
+mixed batch, for any page size and page placement; bitwise. Plus accuracy and grads."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import consistent_ops as co
+
+HQ, HKV, D = 4, 2, 32
+
+
+def qkv(lens, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    return [torch.randn(t, h, D, generator=g).to(dtype) for h in (HQ, HKV, HKV)]
+
+
+def cu(lens):
+    return torch.tensor([0] + list(lens)).cumsum(0)
+
+
+def paged(q, k, v, lens, page_size, chunk, seed=0):
+    """Feed every sequence in chunks of `chunk` new tokens per step (all sequences in
+    the same step, so prefill and decode rows mix), through a shuffled paged cache."""
+    pages_per_seq = [math.ceil(n / page_size) for n in lens]
+    perm = torch.randperm(sum(pages_per_seq), generator=torch.Generator().manual_seed(seed))
+    tables, at = [], 0
+    for n in pages_per_seq:
+        tables.append(perm[at:at + n]); at += n
+    width = max(pages_per_seq)
+    table = torch.stack([F.pad(t, (0, width - len(t))) for t in tables])
+    kc = torch.full((len(perm), page_size, HKV, D), float("nan"), dtype=k.dtype)
+    vc = kc.clone()
+    out = torch.empty_like(q)
+    starts = cu(lens)[:-1].tolist()
+    for step in range(math.ceil(max(lens) / chunk)):
+        rows, seq_ids, qlens, seq_lens, slots = [], [], [], [], []
+        for i, (s, n) in enumerate(zip(starts, lens)):
+            a, b = step * chunk, min((step + 1) * chunk, n)
+            if a >= n:
+                continue
+            pos = torch.arange(a, b)
+            rows.append(torch.arange(s + a, s + b)); seq_ids.append(i)
+            qlens.append(b - a); seq_lens.append(b)
+            slots.append(tables[i][pos // page_size] * page_size + pos % page_size)
+        r = torch.cat(rows)
+        co.write_kv_cache(k[r], v[r], kc, vc, torch.cat(slots))
+        out[r] = co.attention_paged(q[r], kc, vc, table[seq_ids], torch.tensor(seq_lens), cu(qlens))
+    return out
+
+
+LENS = [150, 1, 64, 77, 200]
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1000])
+def test_paged_equals_packed(page_size, chunk):
+    q, k, v = qkv(LENS)
+    train = co.attention_varlen(q, k, v, cu(LENS))
+    assert torch.equal(paged(q, k, v, LENS, page_size, chunk, seed=page_size), train)
+
+
+def test_alone_equals_in_mixed_batch():
+    q, k, v = qkv(LENS)
+    batch = co.attention_varlen(q, k, v, cu(LENS))
+    s = cu(LENS)
+    for i, n in enumerate(LENS):
+        sl = slice(s[i], s[i + 1])
+        assert torch.equal(co.attention_varlen(q[sl], k[sl], v[sl], cu([n])), batch[sl])
+
+
+def sdpa(q, k, v):
+    """Stock path: PyTorch SDPA with GQA, causal over the last q rows."""
+    qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
+    nq, nk = q.shape[0], k.shape[0]
+    mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True).transpose(0, 1)
+
+
+def test_stock_prefill_and_decode_differ():
+    """Companion: stock SDPA gives a token different bits in prefill and in decode."""
+    q, k, v = qkv([300], seed=3)
+    full = sdpa(q, k, v)
+    decode = torch.cat([sdpa(q[t:t + 1], k[:t + 1], v[:t + 1]) for t in range(300)])
+    assert (full.float() - decode.float()).abs().max() > 0
+
+
+def reference64(q, k, v, lens):
+    s = cu(lens)
+    return torch.cat([sdpa(q[a:b].double(), k[a:b].double(), v[a:b].double())
+                      for a, b in zip(s[:-1], s[1:])])
+
+
+def test_accuracy_vs_float64():
+    q, k, v = qkv(LENS, dtype=torch.float32)
+    out = co.attention_varlen(q, k, v, cu(LENS)).double()
+    ref = reference64(q, k, v, LENS)
+    assert ((out - ref).abs().max() / ref.abs().max()) < 1e-6
+
+
+def test_gradients_vs_float64():
+    q, k, v = qkv([70, 130], dtype=torch.float32, seed=1)
+    grads = []
+    for dtype, fn in ((torch.float32, lambda *t: co.attention_varlen(*t, cu([70, 130]))),
+                      (torch.float64, lambda *t: reference64(*t, [70, 130]))):
+        ts = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        (fn(*ts) * torch.linspace(-1, 1, D, dtype=dtype)).sum().backward()
+        grads.append([t.grad.double() for t in ts])
+    for ours, ref in zip(*grads):
+        assert ((ours - ref).abs().max() / ref.abs().max()) < 1e-5
