@@ -19,14 +19,18 @@ from .qwen3 import LMHead, Qwen3Model
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
-        super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.model = Qwen3Model(cfg, tp)
-        self.lm_head = LMHead(cfg, tp)
-        if cfg.tie_word_embeddings and not tp.sharded:
-            self.lm_head.weight = self.model.embed_tokens.weight   # one tensor, like HF
+def build_causal_lm(module: nn.Module, cfg: ModelConfig, tp: TensorParallel):
+    """Give ``module`` the shared submodules (names = HF names: model.*, lm_head.*)."""
+    module.cfg, module.tp = cfg, tp
+    module.model = Qwen3Model(cfg, tp)
+    module.lm_head = LMHead(cfg, tp)
+    if cfg.tie_word_embeddings and not tp.sharded:
+        module.lm_head.weight = module.model.embed_tokens.weight   # one tensor, like HF
+
+
+class CausalLMMixin:
+    """Logits and weight loading over ``self.model`` / ``self.lm_head`` (see build_causal_lm);
+    mixed into plain nn.Modules here and into the HF PreTrainedModel adapter."""
 
     def compute_logits(self, hidden):
         """fp32 logits [T, vocab_size] (padded vocabulary rows included)."""
@@ -62,6 +66,14 @@ class CausalLM(nn.Module):
         return self
 
 
+class CausalLM(CausalLMMixin, nn.Module):
+    """What both engines hold: Qwen3Model + vocab-parallel LM head."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        build_causal_lm(self, cfg, tp)
+
+
 def packed_layout(position_ids):
     """cu_seqlens [S+1] from packed position ids that restart at 0 for each sequence."""
     starts = torch.nonzero(position_ids == 0).flatten()
@@ -69,19 +81,8 @@ def packed_layout(position_ids):
     return torch.cat([starts, end]).to(torch.int64)
 
 
-class ConsistentForCausalLM(CausalLM):
-    """Trainer-side module. TP of the rollout is emulated in-process with ``tp_size``
-    (only row-parallel sums depend on it; everything else is TP-invariant)."""
-
-    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
-        super().__init__(cfg, TensorParallel(size=tp_size))
-
-    @classmethod
-    def from_pretrained(cls, path, tp_size=1, dtype=None):
-        cfg = ModelConfig.from_dir(path)
-        if dtype is not None:
-            cfg.dtype = dtype
-        return cls(cfg, tp_size).load_checkpoint(path)
+class TrainerMixin(CausalLMMixin):
+    """The trainer's view: packed or padded batches, varlen attention, autograd, log-probs."""
 
     def forward_packed(self, input_ids, position_ids, cu_seqlens=None):
         """input_ids, position_ids [T]; returns fp32 logits [T, V]."""
@@ -89,7 +90,7 @@ class ConsistentForCausalLM(CausalLM):
         attend = lambda _i, q, k, v: co.attention_varlen(q, k, v, cu)
         return self.compute_logits(self.model(input_ids, position_ids, attend))
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
+    def forward_tokens(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
         """Padded [B, S] (with attention_mask) or packed [1, T] / [T] (with position_ids
         or cu_seqlens). Returns fp32 logits in the input's layout."""
         if attention_mask is None:
@@ -113,6 +114,24 @@ class ConsistentForCausalLM(CausalLM):
         lp = co.token_logprobs(logits[..., :-1, :].reshape(-1, v), input_ids[..., 1:].reshape(-1),
                                temperature, vocab_limit)
         return lp.reshape(input_ids[..., 1:].shape)
+
+
+class ConsistentForCausalLM(TrainerMixin, CausalLM):
+    """Trainer-side module. TP of the rollout is emulated in-process with ``tp_size``
+    (only row-parallel sums depend on it; everything else is TP-invariant)."""
+
+    def __init__(self, cfg: ModelConfig, tp_size: int = 1):
+        super().__init__(cfg, TensorParallel(size=tp_size))
+
+    @classmethod
+    def from_pretrained(cls, path, tp_size=1, dtype=None):
+        cfg = ModelConfig.from_dir(path)
+        if dtype is not None:
+            cfg.dtype = dtype
+        return cls(cfg, tp_size).load_checkpoint(path)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
+        return self.forward_tokens(input_ids, attention_mask, position_ids, cu_seqlens)
 
 
 def _positions_from_cu(cu_seqlens, total, device):

@@ -1,0 +1,79 @@
+"""HF (transformers) adapter of the shared model, for trainers that build models with
+``AutoModelForCausalLM.from_pretrained`` (verl's FSDP engine).
+
+``register()`` maps Qwen3Config / Qwen3MoeConfig to ``TrueOnPolicyForCausalLM``, whose
+submodules, parameter names and math are models.CausalLM's: the trainer then runs the
+same layers as the rollout. TP of the rollout is emulated through the config attribute
+``true_on_policy_tp_size`` (set with verl's ``model.override_config``).
+"""
+import logging
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .models import ModelConfig, TensorParallel, TrainerMixin, build_causal_lm
+
+log = logging.getLogger(__name__)
+TP_ATTR = "true_on_policy_tp_size"
+# Compute dtype of the layer math (the rollout's dtype). Storage may be fp32 master
+# weights; loaders rewrite config.dtype to the storage dtype, so it is kept apart.
+DTYPE_ATTR = "true_on_policy_dtype"
+
+
+class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
+    base_model_prefix = "model"
+    _no_split_modules = ["DecoderLayer"]          # FSDP wraps one decoder layer per unit
+    supports_gradient_checkpointing = False
+    _supports_sdpa = _supports_flash_attn = True  # attention is ours whatever is requested
+
+    def __init__(self, config):
+        super().__init__(config)
+        cfg = ModelConfig.from_hf(config.to_dict())
+        if getattr(config, DTYPE_ATTR, None):
+            cfg.dtype = getattr(torch, str(getattr(config, DTYPE_ATTR)).replace("torch.", ""))
+        build_causal_lm(self, cfg, TensorParallel(size=int(getattr(config, TP_ATTR, 1) or 1)))
+        if cfg.tie_word_embeddings:
+            self._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def _init_weights(self, module):
+        pass  # weights always come from a checkpoint (load_checkpoint)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, torch_dtype=None, dtype=None,
+                        **kwargs):
+        """Our own loader (HF names, per-expert tensors as on disk): transformers' MoE
+        weight conversion would fuse experts into tensors this model does not have."""
+        config = config or AutoConfig.from_pretrained(pretrained_model_name_or_path)
+        if not getattr(config, DTYPE_ATTR, None):
+            setattr(config, DTYPE_ATTR, str(ModelConfig.from_dir(pretrained_model_name_or_path).dtype))
+        model = cls(config)
+        if not any(p.is_meta for p in model.parameters()):
+            model.load_checkpoint(pretrained_model_name_or_path)
+        return model.to(dtype or torch_dtype or torch.float32)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, **kwargs):
+        """verl calls either padded (attention_mask) or remove-padding packed (input_ids
+        [1, T] with position_ids restarting at 0 per sequence) batches."""
+        if position_ids is not None and input_ids.shape[0] == 1:
+            attention_mask = None                 # packed: position_ids define the sequences
+        logits = self.forward_tokens(input_ids, attention_mask, position_ids)
+        return CausalLMOutputWithPast(logits=logits)
+
+
+class TrueOnPolicyQwen3ForCausalLM(TrueOnPolicyForCausalLM):
+    config_class = Qwen3Config
+
+
+class TrueOnPolicyQwen3MoeForCausalLM(TrueOnPolicyForCausalLM):
+    config_class = Qwen3MoeConfig
+
+
+def register():
+    """Make AutoModelForCausalLM build our classes for Qwen3 / Qwen3-MoE configs (idempotent)."""
+    for model_cls in (TrueOnPolicyQwen3ForCausalLM, TrueOnPolicyQwen3MoeForCausalLM):
+        AutoModelForCausalLM.register(model_cls.config_class, model_cls, exist_ok=True)
+    log.info("true_on_policy: AutoModelForCausalLM -> TrueOnPolicyForCausalLM for qwen3, qwen3_moe")

@@ -1,0 +1,30 @@
+"""The HF adapter (what verl's FSDP engine builds through AutoModelForCausalLM) runs the
+shared layers: fp32 master weights give the bits of the bf16 model, packed and padded."""
+import pytest
+import torch
+
+from true_on_policy.make_tiny_model import ensure_tiny_model
+from true_on_policy.models import ConsistentForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_auto_model_is_ours_and_exact(arch, tmp_path_factory):
+    from true_on_policy import hf_model
+    path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", arch, hidden_size=128, num_layers=2)
+    hf_model.register()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert isinstance(model, hf_model.TrueOnPolicyForCausalLM)
+    assert next(model.parameters()).dtype == torch.float32            # storage: fp32 master
+    ref = ConsistentForCausalLM.from_pretrained(path)                  # storage: bf16
+    ids = torch.randint(0, 1000, (1, 50), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(20), torch.arange(30)])[None]        # verl remove-padding layout
+    mask = torch.ones(2, 25, dtype=torch.long)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, position_ids=pos).logits, ref(ids, position_ids=pos))
+        assert torch.equal(model(input_ids=ids.view(2, 25), attention_mask=mask).logits,
+                           ref(ids.view(2, 25), attention_mask=mask))
+    model(input_ids=ids, position_ids=pos).logits.float().logsumexp(-1).sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
