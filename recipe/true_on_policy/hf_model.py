@@ -19,6 +19,22 @@ TP_ATTR = "true_on_policy_tp_size"
 # Compute dtype of the layer math (the rollout's dtype). Storage may be fp32 master
 # weights; loaders rewrite config.dtype to the storage dtype, so it is kept apart.
 DTYPE_ATTR = "true_on_policy_dtype"
+# Rows >= len(tokenizer) are excluded from log-probs (the rollout masks them too).
+VOCAB_ATTR = "true_on_policy_vocab_limit"
+_active_vocab_limit = None
+
+
+def active_vocab_limit():
+    """The padded-vocabulary limit of the model this process built (None: none built)."""
+    return _active_vocab_limit
+
+
+def _tokenizer_length(path):
+    from transformers import AutoTokenizer
+    try:
+        return len(AutoTokenizer.from_pretrained(path))
+    except (OSError, ValueError):
+        return None     # no tokenizer beside the weights: set VOCAB_ATTR explicitly
 
 
 class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
@@ -33,6 +49,8 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         if getattr(config, DTYPE_ATTR, None):
             cfg.dtype = getattr(torch, str(getattr(config, DTYPE_ATTR)).replace("torch.", ""))
         build_causal_lm(self, cfg, TensorParallel(size=int(getattr(config, TP_ATTR, 1) or 1)))
+        global _active_vocab_limit
+        self.vocab_limit = _active_vocab_limit = getattr(config, VOCAB_ATTR, None)
         if cfg.tie_word_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -47,6 +65,8 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         config = config or AutoConfig.from_pretrained(pretrained_model_name_or_path)
         if not getattr(config, DTYPE_ATTR, None):
             setattr(config, DTYPE_ATTR, str(ModelConfig.from_dir(pretrained_model_name_or_path).dtype))
+        if getattr(config, VOCAB_ATTR, None) is None:
+            setattr(config, VOCAB_ATTR, _tokenizer_length(pretrained_model_name_or_path))
         model = cls(config)
         if not any(p.is_meta for p in model.parameters()):
             model.load_checkpoint(pretrained_model_name_or_path)

@@ -1,0 +1,105 @@
+"""Per-step logdiff metrics and the guard that stops a run on any non-zero logdiff.
+
+verl already compares rollout and actor log-probs in ``calculate_debug_metrics``
+(training/rollout_probs_diff_*); we wrap it (both trainer generations import it) to
+add ``true_on_policy/*`` metrics on log-probs themselves and to act on a mismatch.
+The trainer's config is captured when verl builds its trainer (``configure``).
+"""
+import functools
+import importlib
+import logging
+
+import torch
+
+log = logging.getLogger("true_on_policy.verl")
+PREFIX = "true_on_policy/"
+DEFAULTS = {"on_mismatch": "raise"}
+_settings = dict(DEFAULTS)
+
+
+class TrueOnPolicyMismatch(RuntimeError):
+    """Rollout and trainer log-probs differ: the run is no longer on-policy."""
+
+
+def configure(config):
+    """Take ``true_on_policy.*`` from verl's config (absent in a plain swap-in job)."""
+    section = dict((config or {}).get("true_on_policy", None) or {})
+    mode = section.get("on_mismatch", DEFAULTS["on_mismatch"])
+    if mode not in ("raise", "warn"):
+        raise ValueError(f"true_on_policy.on_mismatch={mode!r}; use raise or warn")
+    _settings.update(section, on_mismatch=mode)
+
+
+def logdiff_metrics(rollout_lp, actor_lp, mask):
+    """|rollout - actor| over response tokens: max, mean, fraction exactly equal."""
+    mask = mask.bool()
+    diff = (rollout_lp.float() - actor_lp.float()).abs()[mask]
+    n = max(int(mask.sum()), 1)
+    return {PREFIX + "logdiff_max": float(diff.max()) if diff.numel() else 0.0,
+            PREFIX + "logdiff_mean": float(diff.sum()) / n,
+            PREFIX + "frac_exact": float((diff == 0).sum()) / n,
+            PREFIX + "num_tokens": int(mask.sum())}
+
+
+def mismatch_report(rollout_lp, actor_lp, mask, metrics):
+    diff = (rollout_lp.float() - actor_lp.float()).abs() * mask
+    row, col = divmod(int(diff.flatten().argmax()), diff.shape[1])
+    return (f"true on-policy broken: logdiff_max={metrics[PREFIX + 'logdiff_max']:.3g} "
+            f"(mean {metrics[PREFIX + 'logdiff_mean']:.3g}, exact {metrics[PREFIX + 'frac_exact']:.2%} of "
+            f"{metrics[PREFIX + 'num_tokens']} tokens); worst at sample {row}, response token {col}: "
+            f"rollout {float(rollout_lp[row, col])!r} vs trainer {float(actor_lp[row, col])!r}. "
+            f"Localise it with: python -m true_on_policy.check --model <actor model path> --localize")
+
+
+def check_batch(data):
+    """Metrics for one step's batch; raise or warn per ``on_mismatch``."""
+    rollout_lp, actor_lp = data.batch["rollout_log_probs"], data.batch["old_log_probs"]
+    mask = data.batch["response_mask"] if "response_mask" in data.batch else \
+        data.batch["attention_mask"][:, -rollout_lp.shape[1]:]
+    metrics = logdiff_metrics(rollout_lp, actor_lp, mask)
+    if metrics[PREFIX + "logdiff_max"] != 0.0:
+        report = mismatch_report(rollout_lp, actor_lp, mask.float(), metrics)
+        if _settings["on_mismatch"] == "raise":
+            raise TrueOnPolicyMismatch(report)
+        log.warning(report)
+    return metrics
+
+
+def _wrap(original):
+    if getattr(original, "_true_on_policy", False):
+        return original
+
+    @functools.wraps(original)
+    def calculate_debug_metrics(data):
+        metrics = original(data)
+        metrics.update(check_batch(data))
+        return metrics
+
+    calculate_debug_metrics._true_on_policy = True
+    return calculate_debug_metrics
+
+
+def _capture_config(cls):
+    init = cls.__init__
+    if getattr(init, "_true_on_policy", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, config, *args, **kwargs):
+        configure(config)
+        init(self, config, *args, **kwargs)
+
+    __init__._true_on_policy = True
+    cls.__init__ = __init__
+
+
+def patch():
+    metrics_mod = importlib.import_module("verl.utils.debug.metrics")
+    metrics_mod.calculate_debug_metrics = _wrap(metrics_mod.calculate_debug_metrics)
+    for name, cls_name in (("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"),
+                           ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")):
+        module = importlib.import_module(name)
+        if hasattr(module, "calculate_debug_metrics"):
+            module.calculate_debug_metrics = _wrap(module.calculate_debug_metrics)
+        _capture_config(getattr(module, cls_name))
+    log.info("true_on_policy: per-step logdiff guard on (on_mismatch=%s)", _settings["on_mismatch"])

@@ -1,0 +1,32 @@
+"""verl's trainer log-probs through the contract.
+
+verl 0.9.1's FSDP engine (workers/engine/fsdp/transformer_impl.py, prepare_model_outputs)
+divides the logits by the per-row fp32 temperature tensor — one IEEE division, which is
+the contract's — then calls ``logprobs_from_logits`` (imported by name, so both names
+are patched). We replace that call with ``consistent_ops.token_logprobs`` at T = 1 (the
+division already happened; /1 is exact) and the padded-vocabulary rule, so old_log_prob,
+ref and the policy-update forward all compute the rollout's bits.
+"""
+import logging
+
+import consistent_ops as co
+
+from .. import hf_model
+
+log = logging.getLogger("true_on_policy.verl")
+_TARGETS = ("verl.utils.torch_functional", "verl.workers.engine.fsdp.transformer_impl")
+
+
+def contract_logprobs_from_logits(logits, labels, inplace_backward=True):
+    limit = hf_model.active_vocab_limit()
+    lp = co.token_logprobs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), 1.0, limit)
+    return lp.view(labels.shape)
+
+
+def patch():
+    import importlib
+    for name in _TARGETS:
+        module = importlib.import_module(name)
+        if module.logprobs_from_logits is not contract_logprobs_from_logits:
+            module.logprobs_from_logits = contract_logprobs_from_logits
+    log.info("true_on_policy: verl logprobs_from_logits -> consistent_ops.token_logprobs")
