@@ -72,8 +72,20 @@ ACCUMULATION = {
         "tp_partial_dtype": "float64",
     },
     "triton": {
-        "contract_dot": "fp32 accumulator, K walked in tiles of 64 in order, no split-K",
-        "reductions": "fp32, one row per program, fixed block of 1024 walked in order",
+        "contract_dot": (
+            "tl.dot on bf16/fp16 operands (fp32 operands: ieee precision), one fp32 accumulator "
+            "carried through K in order, no split-K; tile shape chosen by M (64x64x128 for M <= 256, "
+            "128x128x64 above, CUDA TMA loads above 256), all shapes giving identical bits on the H200; "
+            "attention: p rounded to the value dtype for contract_dot(p, v), acc*a fed as the MMA "
+            "accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every path"),
+        "reductions": (
+            "fp32, one row per program, tree shape a function of the row length only (RMSNorm, router "
+            "softmax); log-softmax walks the vocabulary in blocks of 4096 in order into a 4096-wide fp32 "
+            "accumulator, then one tree sum; attention row max/sum stay inside one warp"),
+        "transcendentals": (
+            "exp/log in fp64 (libdevice) rounded to fp32, except the attention online softmax: fp32 exp "
+            "(ex2.approx, exp(0) = 1 and exp(-inf) = 0 exactly); sqrt and division IEEE (sqrt_rn, div_rn); "
+            "no FMA contraction (enable_fp_fusion=False)"),
         "tp_partial_dtype": "float32",
     },
     "ascend": {

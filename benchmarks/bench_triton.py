@@ -1,0 +1,236 @@
+"""Triton backend vs the stock path on the device, all in one run (ratios need one run).
+
+Medians of triton.testing.do_bench (linear and decode: do_bench_cudagraph, marked
+"(graph)", so that device time, not host launch cost, is compared). "x stock" = stock
+time / our time (> 1: we are faster). Sections: attention fwd+bwd vs SDPA (flash and cuDNN backends, named), paged
+decode vs the HBM roofline (copy bandwidth measured in this run), linear vs cuBLAS,
+grouped MoE experts vs torch._grouped_mm, 4-layer actor fwd+bwd vs stock HF.
+
+    PYTHONPATH=kernels:recipe:tests/gpu python benchmarks/bench_triton.py [--json FILE]
+"""
+import argparse
+import datetime
+import json
+import subprocess
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench, do_bench_cudagraph
+
+import consistent_ops as co
+from consistent_ops.triton import moe as tmoe
+
+DEV, BF16 = "cuda", torch.bfloat16
+HQ, HKV, D = 32, 4, 128
+ROWS, META = [], {}
+
+
+def bench(fn, rep=300, grad_to_none=None):
+    """Median milliseconds, host launch overhead included."""
+    return do_bench(fn, warmup=50, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def bench_graph(fn):
+    """Median milliseconds of CUDA-graph replays: device time of small ops whose host
+    launch cost would otherwise dominate (how a rollout engine runs decode)."""
+    return do_bench_cudagraph(fn, rep=200, return_mode="median")
+
+
+def rand(*shape, scale=1.0, dtype=BF16):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def record(section, case, ours_ms, stock=None, metric=None, goal=None):
+    """stock: {name: ms}; metric: free text (TFLOP/s, % roofline)."""
+    ROWS.append(dict(section=section, case=case, ours_ms=round(ours_ms, 4),
+                     stock={k: round(v, 4) for k, v in (stock or {}).items()},
+                     ratio={k: round(v / ours_ms, 3) for k, v in (stock or {}).items()},
+                     metric=metric, goal=goal))
+    r = ", ".join(f"{k} {v / ours_ms:.2f}x" for k, v in (stock or {}).items())
+    print(f"{section:10s} {case:34s} ours {ours_ms:9.3f} ms  {r}  {metric or ''}", flush=True)
+
+
+def ceilings():
+    n = 1 << 30                                     # 2 GiB bf16 copy: read + write
+    a = torch.empty(n, dtype=BF16, device=DEV).normal_()
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    bw = 2 * a.numel() * 2 / ms / 1e9               # TB/s
+    x, y = rand(8192, 8192), rand(8192, 8192)
+    tf = 2 * 8192 ** 3 / bench(lambda: x @ y) / 1e9
+    META.update(copy_tbs=round(bw, 3), gemm_tflops=round(tf, 1))
+    print(f"ceilings: HBM copy {bw:.2f} TB/s (read + write), bf16 GEMM 8192^3 {tf:.0f} TFLOP/s", flush=True)
+    return bw
+
+
+def attention_fwd_bwd():
+    for s in (4096, 8192, 16384):
+        batch = 16384 // s
+        q, k, v = rand(batch * s, HQ, D), rand(batch * s, HKV, D), rand(batch * s, HKV, D)
+        for t in (q, k, v):
+            t.requires_grad_()
+        cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
+        do = rand(batch * s, HQ, D)
+        flops = 2 * batch * HQ * s * s * D * 3.5       # causal fwd (2 matmuls, half) x (1 + 2.5 bwd)
+        ours_fwd = bench(lambda: co.attention_varlen(q, k, v, cu))
+        ours = bench(lambda: co.attention_varlen(q, k, v, cu).backward(do), grad_to_none=[q, k, v])
+        qs, ks, vs = (t.detach().view(batch, s, -1, D).transpose(1, 2).contiguous().requires_grad_()
+                      for t in (q, k, v))
+        dos = do.view(batch, s, HQ, D).transpose(1, 2).contiguous()
+        stock, stock_fwd = {}, {}
+        # KV heads expanded to 32 only if a backend refuses enable_gqa (named "(kv x8)")
+        kx, vx = (t.detach().repeat_interleave(HQ // HKV, 1).requires_grad_() for t in (ks, vs))
+        for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+            for kk, vv, gqa, label in ((ks, vs, True, name), (kx, vx, False, name + " (kv x8)")):
+                def run(bwd=True):
+                    with sdpa_kernel(backend):
+                        o = F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, enable_gqa=gqa)
+                        if bwd:
+                            o.backward(dos)
+                try:
+                    stock_fwd[label] = bench(lambda: run(False))
+                    stock[label] = bench(run, grad_to_none=[qs, kk, vv])
+                    break
+                except RuntimeError as e:               # backend refuses this shape
+                    print(f"  {label}: {str(e).splitlines()[0][:100]}")
+        record("attention", f"fwd      S={s} x{batch}", ours_fwd, stock_fwd,
+               f"{flops / 3.5 / ours_fwd / 1e9:.0f} TFLOP/s")
+        record("attention", f"fwd+bwd  S={s} x{batch}", ours, stock, f"{flops / ours / 1e9:.0f} TFLOP/s",
+               ">= 0.9x")
+
+
+def paged_decode(bw_tbs):
+    from harness import PagedKV
+    for batch, ctx in ((64, 8192), (32, 16384), (128, 4096)):
+        kv = PagedKV(1, batch * ctx // 16 + 8, 16, HKV, D, BF16, DEV)
+        kv.k[0].normal_(), kv.v[0].normal_()
+        _, _, bt, seq_lens, qsl = kv.plan([(i, ctx) for i in range(batch)])
+        q = rand(batch, HQ, D)
+        qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+        ms = bench_graph(lambda: co.attention_paged(q, kv.k[0], kv.v[0], bt, seq_lens, qsl))
+        nbytes = 2 * batch * ctx * HKV * D * 2          # K and V read once
+        roof = nbytes / (bw_tbs * 1e12) * 1e3
+        record("decode", f"paged B={batch} ctx={ctx} page=16 (graph)", ms, metric=f"{100 * roof / ms:.0f}% of HBM roofline"
+               f" ({nbytes / ms / 1e9:.2f} TB/s)", goal=">= 80%")
+        del kv
+
+
+def linear():
+    for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048))):
+        w = rand(n, k, scale=k ** -0.5)
+        for m in (16, 64, 256, 1024, 4096):
+            x = rand(m, k)
+            ours = bench_graph(lambda: co.linear(x, w))
+            stock = bench_graph(lambda: F.linear(x, w))
+            record("linear", f"{name} M={m} K={k} N={n} (graph)", ours, {"cuBLAS": stock},
+                   f"{2 * m * n * k / ours / 1e9:.0f} TFLOP/s", ">= 0.95x" if m >= 1024 else ">= 0.9x")
+
+
+def moe():
+    h, inter, e, topk = 2048, 768, 128, 8
+    wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
+    wd = rand(e, h, inter, scale=inter ** -0.5)
+    w_gu_t = torch.cat([wg, wu], 1).transpose(1, 2)          # [E, H, 2I] as HF stores gate_up
+    wd_t = wd.transpose(1, 2)
+    experts = {i: (wg[i], wu[i], wd[i]) for i in range(e)}
+    for t in (1024, 8192):
+        x = rand(t, h)
+        ids, w = co.moe_route(x, rand(e, h, scale=h ** -0.5), topk)
+
+        def ours():
+            contrib, _ = tmoe.grouped_expert_contributions(x, ids, w, wg, wu, wd, range(e))
+            return co.moe_combine(contrib, BF16)
+
+        def stock():          # HF-style: sort by expert, grouped_mm, SiLU*up, grouped_mm, index_add
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)
+            tok = order // topk
+            gu = torch._grouped_mm(x[tok], w_gu_t, offs)
+            y = torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], wd_t, offs)
+            y = y * w.reshape(-1)[order, None].to(y.dtype)
+            return torch.zeros(t, h, dtype=BF16, device=DEV).index_add_(0, tok, y)
+
+        flops = 2 * t * topk * 3 * h * inter
+        ms = bench(ours)
+        record("moe", f"experts T={t} E={e} top{topk}", ms, {"grouped_mm": bench(stock)},
+               f"{flops / ms / 1e9:.0f} TFLOP/s", ">= 1.0x")
+        api = bench(lambda: co.moe_combine(co.moe_expert_contributions(x, ids, w, experts)[0], BF16))
+        record("moe", f"  + per-call weight stacking T={t}", api, {"grouped_mm": bench(stock)})
+
+
+def actor_step():
+    from harness import build_hf_model, build_model
+    tokens = 4096
+    ids = torch.randint(0, 151643, (tokens,), device=DEV)
+    pos = torch.arange(tokens, device=DEV)
+    model = build_model(layers=4)
+    params = list(model.parameters())
+
+    def ours():
+        logits = model.forward_packed(ids, pos)
+        (-co.token_logprobs(logits[:-1], ids[1:]).mean()).backward()
+
+    ours_ms = bench(ours, rep=3000, grad_to_none=params)
+    del model, params
+    torch.cuda.empty_cache()
+    stock = {}
+    for attn in ("eager", "sdpa"):
+        hf = build_hf_model(layers=4, attn=attn)
+        hp = list(hf.parameters())
+
+        def run():
+            logits = hf(ids[None], position_ids=pos[None]).logits.float()[0]
+            lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])
+            (-lp.mean()).backward()
+
+        stock[f"HF-{attn}"] = bench(run, rep=3000, grad_to_none=hp)
+        del hf, hp
+        torch.cuda.empty_cache()
+    record("actor", f"4-layer fwd+bwd {tokens} tokens", ours_ms, stock, goal=">= 1.2x (vs HF eager)")
+
+
+def print_table():
+    """The summary: one line per case, every stock path named, goal beside it."""
+    print("\n| section | case | ours ms | stock ms | x stock | metric | goal |\n|---|---|---|---|---|---|---|")
+    for r in ROWS:
+        stock = "; ".join(f"{k} {v}" for k, v in r["stock"].items()) or "-"
+        ratio = "; ".join(f"{k} {v}x" for k, v in r["ratio"].items()) or "-"
+        print(f"| {r['section']} | {r['case']} | {r['ours_ms']} | {stock} | {ratio} | {r['metric'] or '-'} "
+              f"| {r['goal'] or '-'} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", help="write all rows here")
+    ap.add_argument("--only", nargs="*", default=["attention", "decode", "linear", "moe", "actor"])
+    args = ap.parse_args()
+    co.set_backend("triton")
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    print(f"# {datetime.date.today()} {name} torch {torch.__version__} triton "
+          f"{__import__('triton').__version__} contract {co.contract_fingerprint()}", flush=True)
+    bw = ceilings()
+    steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, moe=moe,
+                 actor=actor_step)
+    failed = []
+    for key in args.only:
+        try:
+            steps[key]()
+        except Exception as e:          # keep the other sections' numbers; exit non-zero
+            failed.append(key)
+            print(f"!! {key} failed: {type(e).__name__}: {e}", flush=True)
+            torch.cuda.empty_cache()
+    print_table()
+    if args.json:
+        meta = dict(META, date=str(datetime.date.today()), device=name, torch=torch.__version__,
+                    triton=__import__("triton").__version__, contract=co.contract_fingerprint(), driver=subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                          capture_output=True, text=True).stdout.strip())
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=ROWS, failed=failed), f, indent=1)
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""Attention on Triton: ONE key-block walk for training, prefill, chunked prefill and decode.
+
+A program owns a tile of query ROWS of one sequence and one KV head; a row is a
+(token, query head) pair, the G query heads that share the KV head stacked as in the
+reference. ``_attend_tile`` walks keys in blocks of KV_BLOCK from position 0, in
+order, with the contract's online-softmax update; the varlen (training) and paged
+(rollout) kernels are the same kernel and differ only in ``_key_rows`` (where key
+position p is stored). A row's bits depend on its q, its position and the keys only:
+- every row sees the same instructions: every path launches the same tile (64 rows,
+  4 warps: one warpgroup's wgmma m64; a row's max/sum never leaves its warp);
+- a block a row cannot see is an exact no-op (a = exp(0) = 1, p = exp(-inf) = 0), so
+  a tile that walks further for its later rows leaves earlier rows' bits unchanged.
+The backward (training only) recomputes p from the saved log-sum-exp with the same
+masks; dK/dV are accumulated by the program that owns the key block, over query
+tiles in ascending order, and dQ by the program that owns the query tile, over key
+blocks in ascending order: no atomics, so gradients are run-to-run deterministic.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..contract import KV_BLOCK
+from .common import EXACT
+
+# Forward tile (rows, warps), ONE for every path. On the H200 it was also the fastest for
+# prefill (16k: 64/4 5.7 ms vs 128/8 6.6 ms) and decode (3.1 vs 1.5 TB/s).
+_TILE, _STAGES = (64, 4), 3
+# Backward tiles (rows, keys, warps): gradients need determinism, not the forward's tiling.
+# Sized so that no accumulator spills (checked with the compiler's resource report).
+_BWD_DQ, _BWD_DKDV, _BWD_STAGES = (64, 64, 4), (32, 64, 4), 2
+
+
+@triton.jit
+def _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """Storage row of key positions kpos. Positions past the sequence are clamped to
+    its last key (always written, so finite); the mask excludes them later."""
+    kpos = tl.minimum(kpos, seq_len - 1)
+    if PAGED:
+        page = tl.load(Table + seq * stride_tab + kpos // PAGE)
+        return page.to(tl.int64) * PAGE + kpos % PAGE
+    else:
+        return row0 + kpos.to(tl.int64)
+
+
+@triton.jit
+def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len, scale,
+                  D: tl.constexpr, MASK: tl.constexpr):
+    """One KV block of the contract's online softmax, in its order m, a, p, l, acc."""
+    d = tl.arange(0, D)
+    k = tl.load(K + krow[:, None] * stride_k + d[None, :])
+    v = tl.load(V + krow[:, None] * stride_v + d[None, :])
+    s = tl.dot(q, tl.trans(k)) * scale                               # fp32 [rows, KV_BLOCK]
+    if MASK:  # causal and end-of-sequence mask (only diagonal/tail blocks need it)
+        visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seq_len)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    a = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * a + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * a[:, None])                 # p rounded to v's dtype
+    return acc, m_new, l
+
+
+@triton.jit
+def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
+                 Table, stride_tab, scale, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
+                 PAGE: tl.constexpr, PAGED: tl.constexpr):
+    """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
+    lie in [first_pos, last_pos]. Returns the unnormalised acc, the row max m and sum l."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D], tl.float32)
+    offs = tl.arange(0, KV)
+    n_full = (first_pos + 1) // KV      # blocks every row sees entirely: the mask is a no-op
+    n_blocks = last_pos // KV + 1       # later blocks are invisible to every row of the tile
+    for j in range(0, n_full):
+        kpos = j * KV + offs
+        krow = _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
+        acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
+                                  scale, D, False)
+    for j in range(n_full, n_blocks):
+        kpos = j * KV + offs
+        krow = _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
+        acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
+                                  scale, D, True)
+    return acc, m, l
+
+
+@triton.jit
+def _tile_rows(tile, n_new, ROWS: tl.constexpr, G: tl.constexpr, TPT: tl.constexpr):
+    """Rows of a tile: token index within this step's tokens, query head within the
+    KV group, and whether the row is real (a partial last tile has padding rows)."""
+    r = tl.arange(0, ROWS)
+    tok = tile * TPT + r // G
+    return tok, r % G, (r < TPT * G) & (tok < n_new)
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table,
+                     stride_qt, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
+                     stride_ot, stride_oh, stride_tab, scale,
+                     G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                     KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr):
+    # 1. which tile: latest tiles (longest walks) launch first for causal load balance
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q0 = tl.load(QStart + seq)
+    n_new = tl.load(QStart + seq + 1) - q0
+    if tile * TPT >= n_new:
+        return
+    seq_len = tl.load(SeqLen + seq)                  # includes this step's tokens
+    ctx = seq_len - n_new                            # tokens cached before this step
+    # 2. rows and their positions; padding rows get a real prefix and are never stored
+    tok, hg, valid = _tile_rows(tile, n_new, ROWS, G, TPT)
+    head = kvh * G + hg
+    qpos = tl.minimum(ctx + tok, seq_len - 1)
+    d = tl.arange(0, D)
+    qrow = (q0 + tok).to(tl.int64)
+    q = tl.load(Q + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None], other=0.0)
+    # 3. the key walk (shared by every path)
+    first_pos = ctx + tile * TPT
+    last_pos = tl.minimum(first_pos + TPT - 1, seq_len - 1)
+    acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos,
+                             K + kvh * stride_kh, V + kvh * stride_vh, stride_k, stride_v,
+                             Table, stride_tab, scale, ROWS, D, KV, PAGE, PAGED)
+    # 4. out = acc / l (IEEE division), rounded to the input dtype
+    out = tl.div_rn(acc, l[:, None])
+    tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(O.dtype.element_ty), mask=valid[:, None])
+    if STORE_LSE:  # log-sum-exp for the backward's recomputation of p
+        tl.store(LSE + qrow * (G * tl.num_programs(2)) + head, m + tl.log(l), mask=valid)
+
+
+@triton.jit
+def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, scale,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    d = tl.arange(0, D)
+    kpos = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    krow = (s0 + tl.minimum(kpos, n - 1)).to(tl.int64)
+    kptr = krow[:, None] * stride_kt + kvh * D + d[None, :]
+    k = tl.load(K + kptr)
+    v = tl.load(V + kptr)
+    p = tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None])
+    if MASK:
+        p = tl.where((kpos[None, :] <= tok[:, None]) & (kpos[None, :] < n), p, 0.0)
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+    return tl.dot(ds.to(k.dtype), k, dq)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scale,
+                   G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HQ: tl.constexpr):
+    """dQ for one query tile: key blocks walked from 0 in order into one accumulator."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    s0 = tl.load(Cu + seq)
+    n = tl.load(Cu + seq + 1) - s0
+    if tile * TPT >= n:
+        return
+    tok, hg, valid = _tile_rows(tile, n, ROWS, G, TPT)
+    head = kvh * G + hg
+    d = tl.arange(0, D)
+    qrow = (s0 + tok).to(tl.int64)
+    qptr = qrow[:, None] * stride_t + head[:, None] * D + d[None, :]
+    q = tl.load(Q + qptr, mask=valid[:, None], other=0.0)
+    do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
+    lse = tl.load(LSE + qrow * HQ + head, mask=valid, other=0.0)
+    delta = tl.load(Delta + qrow * HQ + head, mask=valid, other=0.0)
+    dq = tl.zeros([ROWS, D], tl.float32)
+    first = tile * TPT
+    last = tl.minimum(first + TPT - 1, n - 1)
+    for j in range(0, (first + 1) // BLOCK_N):             # keys every row sees: no mask
+        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, scale, D, BLOCK_N, False)
+    for j in range((first + 1) // BLOCK_N, last // BLOCK_N + 1):
+        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, scale, D, BLOCK_N, True)
+    tl.store(DQ + qptr, (dq * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, scale,
+                   G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                   HQ: tl.constexpr, MASK: tl.constexpr):
+    tok, hg, valid = _tile_rows(t, n, ROWS, G, TPT)
+    head = kvh * G + hg
+    qrow = (s0 + tok).to(tl.int64)
+    qptr = qrow[:, None] * stride_t + head[:, None] * D + tl.arange(0, D)[None, :]
+    # padding rows load q = do = 0 and lse = delta = 0: they add exact zeros
+    q = tl.load(Q + qptr, mask=valid[:, None], other=0.0)
+    do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
+    lse = tl.load(LSE + qrow * HQ + head, mask=valid, other=0.0)
+    delta = tl.load(Delta + qrow * HQ + head, mask=valid, other=0.0)
+    pt = tl.exp(tl.dot(k, tl.trans(q)) * scale - lse[None, :])        # [keys, rows]
+    if MASK:
+        pt = tl.where(kpos[:, None] <= tok[None, :], pt, 0.0)
+    dv = tl.dot(pt.to(do.dtype), do, dv)
+    dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
+    dk = tl.dot(dst.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, Cu, stride_t, stride_kt, scale,
+                     G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HQ: tl.constexpr):
+    """dK, dV for one key block: query tiles walked in ascending order (fixed order,
+    no atomics); the G query heads of the KV head are rows of every tile."""
+    blk = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    s0 = tl.load(Cu + seq)
+    n = tl.load(Cu + seq + 1) - s0
+    n0 = blk * BLOCK_N
+    if n0 >= n:
+        return
+    d = tl.arange(0, D)
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    kin = kpos < n
+    kptr = (s0 + kpos).to(tl.int64)[:, None] * stride_kt + kvh * D + d[None, :]
+    k = tl.load(K + kptr, mask=kin[:, None], other=0.0)
+    v = tl.load(V + kptr, mask=kin[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    t_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), tl.cdiv(n, TPT))   # first tile seeing all keys
+    for t in range(n0 // TPT, t_full):
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, scale,
+                                G, TPT, ROWS, D, HQ, True)
+    for t in range(t_full, tl.cdiv(n, TPT)):
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, scale,
+                                G, TPT, ROWS, D, HQ, False)
+    tl.store(DK + kptr, (dk * scale).to(DK.dtype.element_ty), mask=kin[:, None])
+    tl.store(DV + kptr, dv.to(DV.dtype.element_ty), mask=kin[:, None])
+
+
+def _check(q, hkv):
+    hq, d = q.shape[1], q.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if d & (d - 1) or d < 16:
+        raise NotImplementedError(f"head_dim={d}: the Triton backend needs a power of two >= 16")
+    return hq // hkv
+
+
+def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None):
+    """Launch the one forward kernel. k/v: packed [T, Hkv, D] or caches [pages, page, Hkv, D]."""
+    g = _check(q, k.shape[-2])
+    rows, warps = _TILE
+    if g > rows:
+        raise NotImplementedError(f"{g} query heads per KV head: at most {rows}")
+    tpt = rows // g
+    page = k.shape[1] if paged else 1
+    for c in (k, v):  # a cache row index must address [pages * page_size] rows
+        if paged and c.stride(0) != page * c.stride(1):
+            raise ValueError("KV cache pages must be contiguous [pages, page_size, Hkv, D]")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k, v need a contiguous head_dim")
+    o = torch.empty_like(q)
+    s = len(seq_lens)
+    grid = (triton.cdiv(max_new, tpt), s, k.shape[-2])
+    tab = table if paged else q_start
+    kr, vr = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
+    _attn_fwd_kernel[grid](
+        q, k, v, o, lse if lse is not None else o, q_start, seq_lens, tab,
+        q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
+        tab.stride(0) if paged else 0, scale,
+        G=g, TPT=tpt, ROWS=rows, D=q.shape[-1], KV=KV_BLOCK, PAGE=page, PAGED=paged,
+        STORE_LSE=lse is not None, num_warps=warps, num_stages=_STAGES, **EXACT)
+    return o
+
+
+def _backward(q, k, v, o, lse, do, cu, max_len, scale):
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    g = hq // hkv
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1)                       # [T, Hq] = rowsum(dO * O)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    s = len(cu) - 1
+    rows, keys, warps = _BWD_DQ
+    if g > min(_BWD_DQ[0], _BWD_DKDV[0]):
+        raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {_BWD_DKDV[0]}")
+    _bwd_dq_kernel[(triton.cdiv(max_len, rows // g), s, hkv)](
+        q, k, v, do, lse, delta, dq, cu, q.stride(0), k.stride(0), scale,
+        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=_BWD_STAGES, **EXACT)
+    rows, keys, warps = _BWD_DKDV
+    _bwd_dkdv_kernel[(triton.cdiv(max_len, keys), s, hkv)](
+        q, k, v, do, lse, delta, dk, dv, cu, q.stride(0), k.stride(0), scale,
+        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=_BWD_STAGES, **EXACT)
+    return dq, dk, dv
+
+
+class _VarlenAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        need_grad = any(ctx.needs_input_grad[:3])
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if need_grad else None
+        o = _forward(q, k, v, cu, cu[1:] - cu[:-1], None, max_len, scale, paged=False, lse=lse)
+        if need_grad:
+            ctx.save_for_backward(q, k, v, o, lse, cu)
+            ctx.max_len, ctx.scale = max_len, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu = ctx.saved_tensors
+        return (*_backward(q, k, v, o, lse, do, cu, ctx.max_len, ctx.scale), None, None, None)
+
+
+def _max_new_bound(q, starts):
+    """Most new tokens any sequence can have, from shapes alone (T - S + 1: every other
+    sequence has at least one): exact for decode batches and single sequences, never a
+    device sync (capturable in CUDA graphs); tiles past a sequence's end exit at once."""
+    return max(q.shape[0] - (starts.shape[0] - 1) + 1, 1)
+
+
+def attention_varlen(q, k, v, cu_seqlens, scale=None):
+    """Packed causal attention. q [T, Hq, D]; k, v [T, Hkv, D]; cu_seqlens [S+1]. Differentiable."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return _VarlenAttention.apply(q, k, v, cu, _max_new_bound(q, cu), scale)
+
+
+def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None):
+    """New tokens of each sequence against the paged cache (which already holds them).
+    q [T, Hq, D]; caches [pages, page_size, Hkv, D]; block_table [S, max_pages];
+    seq_lens [S] include this step's tokens; query_start_loc [S+1]."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dev = q.device
+    qsl = query_start_loc.to(device=dev, dtype=torch.int32)
+    return _forward(q, key_cache, value_cache, qsl, seq_lens.to(device=dev, dtype=torch.int32),
+                    block_table.to(device=dev, dtype=torch.int32), _max_new_bound(q, qsl), scale, paged=True)

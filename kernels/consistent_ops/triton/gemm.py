@@ -1,0 +1,153 @@
+"""Batch-invariant linear on Triton, and its tensor-parallel row-parallel form.
+
+out[m, n] is one fp32 accumulator carried through K in tiles walked in order (no
+split-K, no stream-K), rounded once. The MMA computes each output element from its
+own row and column only, so a row's bits never depend on M or on the other rows.
+The tile shape is picked by M for speed: on the H200 every shape tried (BLOCK_M 64/128,
+BLOCK_N 32..256, BLOCK_K 64/128, 4/8 warps, pointer or TMA loads) gave bit-identical
+results, because all of them run the same k16 MMA steps in the same order; the GPU
+tests check it across the tier boundaries (row of M=1 == row of M=4096).
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import EXACT
+
+# (max M, (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)): the first tier with M <= max M.
+# Measured on the H200 (probe of 8 shapes, qkv and o_proj, M 16..4096).
+_TIERS = ((256, (64, 64, 128, 1, 4, 4)),
+          (None, (128, 128, 64, 8, 8, 4)))
+_TMA_MIN_M = 257         # from this M on, the CUDA-only TMA branch of _gemm_kernel (if tma_ready)
+
+
+@triton.jit
+def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, col tile) of a program; GROUP_M row tiles in a row share W tiles in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
+
+
+@triton.jit
+def _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """Bias in fp32, one rounding to the output dtype, store the in-range part."""
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    # 1. tile of this program
+    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    # rows/cols past the edge read a valid row (mod) and are never stored
+    xm = (rm % M).to(tl.int64)
+    wn = (rn % N).to(tl.int64)
+    # 2. K walked in order into one fp32 accumulator
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        if TMA:  # CUDA-ONLY: X, W are host TensorDescriptors (Hopper bulk copies, zero-filled edges)
+            a = X.load([pid_m * BLOCK_M, k0])
+            b = W.load([pid_n * BLOCK_N, k0]).T
+        elif EVEN_K:
+            a = tl.load(X + xm[:, None] * stride_xm + kk[None, :])
+            b = tl.load(W + wn[None, :] * stride_wn + kk[:, None])
+        else:  # zero-padded tail: zero products leave the accumulator unchanged
+            a = tl.load(X + xm[:, None] * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
+            b = tl.load(W + wn[None, :] * stride_wn + kk[:, None], mask=kk[:, None] < K, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_newer(device_index):
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def tma_ready(*tensors):
+    """CUDA-only bulk tensor copies: sm_90+, 16-bit operands, 16-byte aligned bases and rows."""
+    t0 = tensors[0]
+    return (t0.is_cuda and _hopper_or_newer(t0.device.index)
+            and all(t.dtype in (torch.bfloat16, torch.float16) and t.data_ptr() % 16 == 0
+                    and (t.stride(-2) * t.element_size()) % 16 == 0 for t in tensors))
+
+
+def descriptor(t, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def matmul(x2, weight, bias=None, out_dtype=None):
+    """x2 [M, K] @ weight[N, K].T (+ bias) -> [M, N] in out_dtype (default x2's dtype)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has K={k} but weight is {tuple(weight.shape)}")
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    y = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
+    if m == 0:
+        return y
+    bm, bn, bk, group, warps, stages = next(cfg for top, cfg in _TIERS if top is None or m <= top)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages, **EXACT)
+    xa, wa = x2, weight
+    tma = m >= _TMA_MIN_M and tma_ready(x2, weight)
+    if tma:
+        xa, wa = descriptor(x2, [bm, bk]), descriptor(weight, [bn, bk])
+    # fp32 operands: exact fp32 products ("ieee"), not tf32
+    precision = "ieee" if x2.dtype == torch.float32 else "tf32"
+    _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, m, n, k, x2.stride(0), weight.stride(0),
+                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PRECISION=precision, TMA=tma,
+                       **tiles)
+    return y
+
+
+class _Linear(torch.autograd.Function):
+    """Forward: the invariant kernel. Backward: cuBLAS matmuls (gradients are never
+    compared with the rollout, so they need accuracy, not these bits)."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, out_dtype):
+        ctx.save_for_backward(x2, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return matmul(x2, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x2, weight = ctx.saved_tensors
+        g = gy.to(x2.dtype)
+        gx = g @ weight.to(x2.dtype) if ctx.needs_input_grad[0] else None
+        gw = (g.t() @ x2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        gb = gy.float().sum(0).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def linear(x, weight, bias=None, out_dtype=None):
+    """x [..., K] @ weight[N, K].T (+ bias in fp32) -> [..., N] in out_dtype (default x's)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        y = _Linear.apply(x2, weight, bias, out_dtype or x.dtype)
+    else:  # inference: no autograd node (host overhead matters at decode sizes)
+        y = matmul(x2, weight, bias, out_dtype or x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def row_parallel_partial(x_shard, w_shard):
+    """One rank's partial over its K-shard, fp32 (the contract's tp_partial_dtype here)."""
+    return linear(x_shard, w_shard, out_dtype=torch.float32)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The Triton backend on a CUDA device in one command: GPU tests, then the benchmark
+# table (ratios vs stock measured in this same run).
+#   bash scripts/gpu_suite.sh [OUTDIR]        # from the repo root; OUTDIR defaults to $OUT or outputs/gpu_suite
+# Exit status: non-zero if any test failed or the benchmark crashed (missed speed goals do not fail it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out_dir=${1:-${OUT:-outputs/gpu_suite}}
+mkdir -p "$out_dir"
+export PYTHONPATH="kernels:recipe:tests/gpu${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+
+python3 -m pytest -q -rs tests/gpu -p no:cacheprovider --junitxml "$out_dir/junit.xml" 2>&1 | tee "$out_dir/tests.log"
+tests_rc=${PIPESTATUS[0]}
+python3 benchmarks/bench_triton.py --json "$out_dir/bench.json" 2>&1 | tee "$out_dir/bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "tests rc=$tests_rc bench rc=$bench_rc"
+exit $(( tests_rc != 0 || bench_rc != 0 ))
