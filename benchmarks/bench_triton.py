@@ -7,6 +7,7 @@ decode vs the HBM roofline (copy bandwidth measured in this run), linear vs cuBL
 grouped MoE experts vs torch._grouped_mm, 4-layer actor fwd+bwd vs stock HF.
 
     PYTHONPATH=kernels:recipe:tests/gpu python benchmarks/bench_triton.py [--json FILE]
+    ... --only probe      # tile probes: every GEMM / MoE tile entry, its time and its bits
 """
 import argparse
 import datetime
@@ -157,7 +158,7 @@ def moe():
         record("moe", f"experts T={t} E={e} top{topk}", ms, {"grouped_mm": bench(stock)},
                f"{flops / ms / 1e9:.0f} TFLOP/s", ">= 1.0x")
         api = bench(lambda: co.moe_combine(co.moe_expert_contributions(x, ids, w, experts)[0], BF16))
-        record("moe", f"  + per-call weight stacking T={t}", api, {"grouped_mm": bench(stock)})
+        record("moe", f"  + public API (per-expert tensors, stack cache) T={t}", api, {"grouped_mm": bench(stock)})
 
 
 def actor_step():
@@ -191,6 +192,101 @@ def actor_step():
     record("actor", f"4-layer fwd+bwd {tokens} tokens", ours_ms, stock, goal=">= 1.2x (vs HF eager)")
 
 
+# ---------------------------------------------------------------- tile probes (--only probe)
+def _graph_ms(fn, n=20, reps=9):
+    """Median ms per call of a CUDA graph of n calls (inputs as in do_bench_cudagraph)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / n)
+    return sorted(times)[len(times) // 2]
+
+
+LINEAR_PROBE = {   # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)
+    "64x64x128 s4": (64, 64, 128, 1, 4, 4, False), "64x32x128 s4": (64, 32, 128, 1, 4, 4, False),
+    "64x32x128 s4 T": (64, 32, 128, 1, 4, 4, True), "64x16x128 s6 T": (64, 16, 128, 1, 4, 6, True),
+    "64x16x128 s6": (64, 16, 128, 1, 4, 6, False), "64x32x64 s8 T": (64, 32, 64, 1, 4, 8, True),
+    "64x64x64 s6 T": (64, 64, 64, 1, 4, 6, True), "64x16x256 s4 T": (64, 16, 256, 1, 4, 4, True),
+    "16x32x128 s4": (16, 32, 128, 1, 4, 4, False), "16x64x128 s4": (16, 64, 128, 1, 4, 4, False),
+    "128x128x64 s4 T": (128, 128, 64, 8, 8, 4, True), "64x128x64 s4 T": (64, 128, 64, 8, 4, 4, True),
+    "128x64x64 s4 T": (128, 64, 64, 8, 4, 4, True), "64x64x64 g8 s6 T": (64, 64, 64, 8, 4, 6, True),
+    "64x128x128 s3 T": (64, 128, 128, 8, 4, 3, True), "128x256x64 s3 T": (128, 256, 64, 8, 8, 3, True),
+    "128x256x64 s4 T": (128, 256, 64, 8, 8, 4, True), "256x128x64 s3 T": (256, 128, 64, 8, 8, 3, True),
+    "128x128x64 w4 s4 T": (128, 128, 64, 8, 4, 4, True), "128x128x128 s3 T": (128, 128, 128, 8, 8, 3, True),
+    "128x128x64 s5 T": (128, 128, 64, 8, 8, 5, True), "64x256x64 s4 T": (64, 256, 64, 8, 8, 4, True),
+}
+
+
+def probe_linear():
+    """Every tile entry at every M: ratio cuBLAS / ours (graph replays) and whether its
+    rows equal the 128x128x64 rows of M=4096 bit for bit."""
+    from consistent_ops.triton import gemm
+    ms_list = (16, 64, 128, 256, 512, 1024, 4096)
+    for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048))):
+        w, x = rand(n, k, scale=k ** -0.5), rand(4096, k)
+        full = gemm.matmul(x, w, cfg=(128, 128, 64, 8, 8, 4, True))
+        stock = {m: _graph_ms(lambda m=m: F.linear(x[:m], w)) for m in ms_list}
+        print(f"probe linear {name}: cuBLAS us " + " ".join(f"M{m}={stock[m] * 1e3:.1f}" for m in ms_list))
+        for cname, cfg in LINEAR_PROBE.items():
+            try:
+                same = all(torch.equal(gemm.matmul(x[:m], w, cfg=cfg), full[:m]) for m in (1, 7) + ms_list)
+                r = {m: stock[m] / _graph_ms(lambda m=m: gemm.matmul(x[:m], w, cfg=cfg)) for m in ms_list}
+                print(f"  {name:6s} {cname:20s} bits {'same' if same else 'DIFF'}  "
+                      + " ".join(f"{r[m]:.2f}" for m in ms_list), flush=True)
+            except Exception as e:
+                print(f"  {name:6s} {cname:20s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+
+
+def _moe_cfg(bm, gu, dn):
+    opts = lambda c: dict(BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2], num_stages=c[3])  # noqa: E731
+    return bm, opts(gu), opts(dn)
+
+
+MOE_PROBE = [(64, (64, 64, 4, 4), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (256, 64, 8, 4)),
+             (64, (64, 64, 4, 3), (256, 64, 8, 3)), (64, (128, 64, 4, 4), (128, 64, 4, 4)),
+             (64, (128, 64, 4, 4), (256, 64, 8, 3)), (128, (128, 64, 8, 4), (256, 64, 8, 3)),
+             (128, (128, 64, 8, 3), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (128, 128, 4, 3))]
+# first probe (2026-11-30, same device): BM128 gu(128,64,8,3) dn(128,64,8,3) [the old entry]
+# 1.195 / 1.750 / 2.445 ms at T 1024 / 4096 / 8192; BM128 dn(256,64,8,3) 1.068 / 1.696 / 2.177;
+# BM64 gu(64,64,4,4) dn(128,64,4,3) 1.075 / 1.870 / 2.465; BM64 gu(128,64,4,4) dn(128,64,4,4)
+# 1.093 / 1.635 / 2.507; BM128 gu(64,..)/BN64 variants and dn(64,128,4,4) slower; all bits same.
+
+
+def probe_moe():
+    """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included) at T tokens,
+    and whether the contributions equal the first entry's bit for bit."""
+    h, inter, e, topk = 2048, 768, 128, 8
+    wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
+    wd = rand(e, h, inter, scale=inter ** -0.5)
+    local = list(range(e))
+    for t in (1024, 4096, 8192):
+        x = rand(t, h)
+        ids, w = co.moe_route(x, rand(e, h, scale=h ** -0.5), topk)
+        base = None
+        for bm, gu, dn in MOE_PROBE:
+            cfg = _moe_cfg(bm, gu, dn)
+            try:
+                run = lambda: tmoe._grouped_kernel(x, w, wg, wu, wd, ids=ids, local=local, cfg=cfg)  # noqa: E731
+                out = run()[0]
+                base = out if base is None else base
+                ms = bench(run, rep=100)
+                print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: {ms:.3f} ms bits "
+                      f"{'same' if torch.equal(out, base) else 'DIFF'}", flush=True)
+            except Exception as ex:
+                print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: failed {type(ex).__name__}: {str(ex)[:80]}", flush=True)
+
+
 def print_table():
     """The summary: one line per case, every stock path named, goal beside it."""
     print("\n| section | case | ours ms | stock ms | x stock | metric | goal |\n|---|---|---|---|---|---|---|")
@@ -211,9 +307,9 @@ def main():
     name = torch.cuda.get_device_name()
     print(f"# {datetime.date.today()} {name} torch {torch.__version__} triton "
           f"{__import__('triton').__version__} contract {co.contract_fingerprint()}", flush=True)
-    bw = ceilings()
+    bw = ceilings() if any(k in args.only for k in ("decode", "attention")) else 0
     steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, moe=moe,
-                 actor=actor_step)
+                 actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe)
     failed = []
     for key in args.only:
         try:

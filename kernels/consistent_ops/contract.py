@@ -74,8 +74,11 @@ ACCUMULATION = {
     "triton": {
         "contract_dot": (
             "tl.dot on bf16/fp16 operands (fp32 operands: ieee precision), one fp32 accumulator "
-            "carried through K in order, no split-K; tile shape chosen by M (64x64x128 for M <= 256, "
-            "128x128x64 above, CUDA TMA loads above 256), all shapes giving identical bits on the H200; "
+            "carried through K in ascending k16 MMA steps, no split-K; tile shape chosen by M and by "
+            "the program count (BLOCK_M 16..256, BLOCK_N 16..256, BLOCK_K 64/128, pointer or CUDA TMA "
+            "loads; the CPU interpreter pins one shape), all shapes giving identical bits on the H200; "
+            "MoE experts: the same walk over one expert's rows (gate/up fp32, rounded, SiLU*up; down "
+            "fp32 times the routing weight), one tile set for every batch; "
             "attention: p rounded to the value dtype for contract_dot(p, v), acc*a fed as the MMA "
             "accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every path"),
         "reductions": (

@@ -162,3 +162,48 @@ def test_moe_accuracy_and_gradients_vs_reference(moe):
         results.append((contrib, x.grad, ex[int(ids[0, 0])][2].grad))
     for mine, exact in zip(*results):
         assert rel(mine, exact) < 2e-2
+
+
+# ---------------------------------------------------------------- tile switch points (added checks)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_linear_rows_across_every_tile_entry(shape):
+    """Each M bucket / program-count switch of gemm._config, and every tile entry forced
+    on the same rows, give the rows of M=4096 bit for bit."""
+    from consistent_ops.triton import gemm
+    k, n = SHAPES[shape]
+    x, w = rand(4096, k, seed=21), rand(n, k, seed=22, scale=k ** -0.5)
+    full = co.linear(x, w)
+    for m in (16, 17, 64, 65, 128, 129, 512, 513, 2048):
+        assert torch.equal(co.linear(x[:m], w), full[:m]), f"M={m}"
+    entries = [*gemm._TINY.values(), *gemm._NARROW.values(), gemm._MID_WIDE, gemm._MID_TALL, gemm._LARGE,
+               gemm._HUGE]
+    for cfg in entries:
+        assert torch.equal(gemm.matmul(x[:300], w, cfg=cfg), full[:300]), cfg
+
+
+def test_moe_rows_across_tile_configs(moe):
+    """Batches of 1..8192 tokens and both tile sets (the GPU's and the interpreter's) forced: same bits."""
+    from consistent_ops.triton import moe as tmoe
+    _, gate, experts = moe
+    x = rand(8192, H, seed=23)
+    ids, w = co.moe_route(x, gate, TOPK)
+    full, _ = co.moe_expert_contributions(x, ids, w, experts)
+    for lo, hi in ((0, 1), (0, 2048), (100, 5100), (8000, 8192)):
+        assert torch.equal(co.moe_expert_contributions(x[lo:hi], ids[lo:hi], w[lo:hi], experts)[0], full[lo:hi])
+    wg, wu, wd = (torch.stack([experts[e][i] for e in range(E)]) for i in range(3))
+    for cfg in (tmoe._TILES, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
+        got = tmoe._grouped_kernel(x[:3000], w[:3000], wg, wu, wd, ids=ids[:3000], local=list(range(E)), cfg=cfg)
+        assert torch.equal(got[0], full[:3000]), cfg[0]
+
+
+def test_moe_stack_cache_follows_in_place_updates(moe):
+    """The stacked-weight cache: hit while unchanged, restacked after an in-place update."""
+    x, gate, experts = moe
+    ex = {e: tuple(t.clone() for t in ws) for e, ws in experts.items()}
+    ids, w = co.moe_route(x[:64], gate, TOPK)
+    a = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
+    assert torch.equal(co.moe_expert_contributions(x[:64], ids, w, ex)[0], a)
+    ex[int(ids[0, 0])][0].mul_(2)                      # e.g. an optimizer step
+    b = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
+    fresh = {e: tuple(t.clone() for t in ws) for e, ws in ex.items()}
+    assert not torch.equal(a, b) and torch.equal(b, co.moe_expert_contributions(x[:64], ids, w, fresh)[0])

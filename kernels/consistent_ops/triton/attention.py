@@ -152,10 +152,11 @@ def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, sc
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scale,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scale,
                    G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, HQ: tl.constexpr):
-    """dQ for one query tile: key blocks walked from 0 in order into one accumulator."""
+    """dQ for one query tile: key blocks walked from 0 in order into one accumulator.
+    Also delta = rowsum(dO * O) in fp32 for its rows, stored for the dK/dV kernel."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -171,7 +172,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scale,
     q = tl.load(Q + qptr, mask=valid[:, None], other=0.0)
     do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
     lse = tl.load(LSE + qrow * HQ + head, mask=valid, other=0.0)
-    delta = tl.load(Delta + qrow * HQ + head, mask=valid, other=0.0)
+    o = tl.load(O + qptr, mask=valid[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(Delta + qrow * HQ + head, delta, mask=valid)
     dq = tl.zeros([ROWS, D], tl.float32)
     first = tile * TPT
     last = tl.minimum(first + TPT - 1, n - 1)
@@ -278,14 +281,16 @@ def _backward(q, k, v, o, lse, do, cu, max_len, scale):
     hkv = k.shape[1]
     g = hq // hkv
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1)                       # [T, Hq] = rowsum(dO * O)
+    if o.stride() != q.stride() or do.stride() != q.stride():
+        raise ValueError("o and dO must have q's layout")
+    delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)   # written by the dQ kernel
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     s = len(cu) - 1
     rows, keys, warps = _BWD_DQ
     if g > min(_BWD_DQ[0], _BWD_DKDV[0]):
         raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {_BWD_DKDV[0]}")
     _bwd_dq_kernel[(triton.cdiv(max_len, rows // g), s, hkv)](
-        q, k, v, do, lse, delta, dq, cu, q.stride(0), k.stride(0), scale,
+        q, k, v, o, do, lse, delta, dq, cu, q.stride(0), k.stride(0), scale,
         G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=_BWD_STAGES, **EXACT)
     rows, keys, warps = _BWD_DKDV
     _bwd_dkdv_kernel[(triton.cdiv(max_len, keys), s, hkv)](

@@ -3,10 +3,11 @@
 out[m, n] is one fp32 accumulator carried through K in tiles walked in order (no
 split-K, no stream-K), rounded once. The MMA computes each output element from its
 own row and column only, so a row's bits never depend on M or on the other rows.
-The tile shape is picked by M for speed: on the H200 every shape tried (BLOCK_M 64/128,
-BLOCK_N 32..256, BLOCK_K 64/128, 4/8 warps, pointer or TMA loads) gave bit-identical
-results, because all of them run the same k16 MMA steps in the same order; the GPU
-tests check it across the tier boundaries (row of M=1 == row of M=4096).
+The tile shape is picked by M and by the program count for speed: on the H200 every
+shape tried (BLOCK_M 16..256, BLOCK_N 16..256, BLOCK_K 64..256, 4/8 warps, 3..8 stages,
+pointer or TMA loads) gave bit-identical results, because all of them run the same k16
+MMA steps in the same order; the GPU tests check it across every switch point and for
+every entry (row of M=1 == row of M=4096).
 """
 import functools
 
@@ -14,13 +15,41 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import EXACT
+from .common import EXACT, INTERPRET as _INTERPRET
 
-# (max M, (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages)): the first tier with M <= max M.
-# Measured on the H200 (probe of 8 shapes, qkv and o_proj, M 16..4096).
-_TIERS = ((256, (64, 64, 128, 1, 4, 4)),
-          (None, (128, 128, 64, 8, 8, 4)))
-_TMA_MIN_M = 257         # from this M on, the CUDA-only TMA branch of _gemm_kernel (if tma_ready)
+# Tile by M and by the number of programs (the grid has to fill the 132 SMs without
+# splitting K). Each entry: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA).
+# Every entry walks K in BLOCK_K steps of k16 MMAs in ascending order into one fp32
+# accumulator; on the H200 all of them gave bit-identical rows (bench_triton.py --only
+# probe checks each entry against the others at M 1..4096; tests/gpu check rows across
+# every switch point). Picked from that probe (qkv and o_proj shapes, graph replays).
+_TINY = {64: (16, 64, 128, 1, 4, 4, False),      # M <= 16: mma 16-row tiles, no padded rows read
+         32: (64, 32, 128, 1, 4, 4, False)}
+_NARROW = {128: (64, 128, 128, 8, 4, 3, True),   # M <= 128: the widest BLOCK_N that still gives
+           64: (64, 64, 64, 1, 4, 6, True),      # >= _MIN_PROGRAMS programs
+           32: (64, 32, 128, 1, 4, 4, True),
+           16: (64, 16, 128, 1, 4, 6, True)}
+_MID_WIDE, _MID_TALL = (64, 128, 128, 8, 4, 3, True), (128, 64, 64, 8, 4, 4, True)   # M <= 512
+_LARGE = (128, 128, 64, 8, 4, 4, True)
+_HUGE = (256, 128, 64, 8, 8, 3, True)            # once it gives >= 2 waves of programs
+_MIN_PROGRAMS, _SMS = 72, 132
+_SMEM = 200 * 1024       # operand pipeline budget per program (the H200 gives a block up to 227 KB)
+
+
+def _programs(m, n, cfg):
+    return triton.cdiv(m, cfg[0]) * triton.cdiv(n, cfg[1])
+
+
+def _config(m, n):
+    if _INTERPRET:       # CPU interpreter: one tile for all M (numpy dots of other shapes round differently)
+        return _NARROW[64]
+    if m <= 16:
+        return _TINY[64] if triton.cdiv(n, 64) >= 64 else _TINY[32]
+    if m <= 128:
+        return next((c for c in _NARROW.values() if _programs(m, n, c) >= _MIN_PROGRAMS), _NARROW[16])
+    if m <= 512:
+        return _MID_WIDE if _programs(m, n, _MID_WIDE) <= _SMS else _MID_TALL
+    return _HUGE if _programs(m, n, _HUGE) >= 2 * _SMS else _LARGE
 
 
 @triton.jit
@@ -91,8 +120,9 @@ def descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block)
 
 
-def matmul(x2, weight, bias=None, out_dtype=None):
-    """x2 [M, K] @ weight[N, K].T (+ bias) -> [M, N] in out_dtype (default x2's dtype)."""
+def matmul(x2, weight, bias=None, out_dtype=None, cfg=None):
+    """x2 [M, K] @ weight[N, K].T (+ bias) -> [M, N] in out_dtype (default x2's dtype).
+    cfg: a tile entry (as in _LARGE) instead of the one _config picks (probes only)."""
     m, k = x2.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -102,18 +132,19 @@ def matmul(x2, weight, bias=None, out_dtype=None):
     y = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
     if m == 0:
         return y
-    bm, bn, bk, group, warps, stages = next(cfg for top, cfg in _TIERS if top is None or m <= top)
+    bm, bn, bk, group, warps, stages, tma = cfg or _config(m, n)
+    stages = max(2, min(stages, _SMEM // ((bm + bn) * bk * x2.element_size())))   # fp32 operands: fewer stages
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    tiles = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages, **EXACT)
     xa, wa = x2, weight
-    tma = m >= _TMA_MIN_M and tma_ready(x2, weight)
+    tma = tma and tma_ready(x2, weight)
     if tma:
         xa, wa = descriptor(x2, [bm, bk]), descriptor(weight, [bn, bk])
     # fp32 operands: exact fp32 products ("ieee"), not tf32
     precision = "ieee" if x2.dtype == torch.float32 else "tf32"
     _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, m, n, k, x2.stride(0), weight.stride(0),
                        y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PRECISION=precision, TMA=tma,
-                       **tiles)
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
+                       **EXACT)
     return y
 
 

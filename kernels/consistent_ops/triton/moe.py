@@ -8,7 +8,17 @@ down projection in fp32, scales it by the row's fp32 routing weight and scatters
 to its (token, slot). A row's result depends on its token and expert only, never on
 which other rows share its tile or its rank (EP placement), so batches, chunks and
 decode steps route and compute alike. The tile table is built on the device: no sync.
+Slots whose expert is not local get zero tiles (the down kernel stores zeros there), so
+the contribution buffer is never zero-filled separately.
+
+The model keeps per-expert parameters; the grouped kernels want them stacked. The
+stacked copies are cached, keyed on the tensors' identity (weak references) and
+version counters, so an in-place update (optimizer step, weight load) restacks; under
+autograd the stack is one Function whose backward hands each expert its slice.
 """
+import operator
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -16,13 +26,25 @@ import triton.language as tl
 from ..reference import moe as ref_moe
 from ..reference.pointwise import silu_mul as _silu_mul_torch
 from .autograd import with_torch_grad
-from .common import EXACT
+from .common import EXACT, INTERPRET as _INTERPRET
 from .gemm import linear
 
-# Fastest of those tried on the H200 (BM 64/128, N 64/128, 4/8 warps, TMA loads: slower).
-_BM = 128
-_GATE_UP = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)   # two accumulators
-_DOWN = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+def _opts(block_n, block_k, warps, stages):
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+
+
+# (BM rows of one expert per program, gate_up launch options, down launch options),
+# picked by the number of (token, slot) rows; measured on the H200 (bench_triton.py
+# --only probe). Every entry walks K in ascending BLOCK_K steps of k16 MMAs: the same bits.
+_TILES = (128, _opts(128, 64, 8, 4), _opts(256, 64, 8, 3))    # fastest or within 3% at T 1024..8192
+_INTERP = (128, _opts(128, 64, 8, 3), _opts(128, 64, 8, 3))   # CPU interpreter; also the fallback widths
+
+
+def _moe_config(rows):
+    """One tile set for every batch size (no switch point), rows = T * top_k."""
+    return _INTERP if _INTERPRET else _TILES
+
+
 _SOFTMAX_WARPS = 4
 
 
@@ -49,11 +71,11 @@ def _tile(TileE, TileRow0, TileRowEnd, Order, BM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK,
+def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK, NL,
                     stride_x, stride_we, stride_wn, stride_h,
                     BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM)
-    if e < 0:                                   # idle tile (the grid is an upper bound)
+    if (e < 0) | (e >= NL):                     # idle tile (the grid is an upper bound) or zero tile
         return
     tok = slot // TOPK
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -75,13 +97,17 @@ def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK
 
 
 @triton.jit
-def _down_kernel(Hin, Order, TileE, TileRow0, TileRowEnd, Wd, RouteW, Out, K, stride_h,
+def _down_kernel(Hin, Order, TileE, TileRow0, TileRowEnd, Wd, RouteW, Out, K, NL, stride_h,
                  stride_we, stride_wn, stride_o, BM: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM)
     if e < 0:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if e == NL:                                 # slots of experts that are not local: zeros
+        tl.store(Out + slot[:, None] * stride_o + n[None, :], tl.zeros((BM, BLOCK_N), tl.float32),
+                 mask=live[:, None])
+        return
     kk = tl.arange(0, BLOCK_K)
     wd = Wd + e.to(tl.int64) * stride_we
     hrow = tl.where(live, rows, 0)
@@ -121,56 +147,76 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
     return ids, weights
 
 
-def _plan(ids, local, n_local):
-    """Group the (token, slot) pairs by local expert: sort order, per-expert counts, and
-    the tile table (expert, first row, row end) for a grid of an upper-bound size."""
-    lut = torch.full((max(local) + 1,), n_local, dtype=torch.int64)
-    lut[local] = torch.arange(n_local)
-    lut = lut.to(ids.device)
+_LUT = {}
+
+
+def _lut(local, device):
+    """Expert id -> local index (len(local) for experts that are not local), on the device."""
+    key = (tuple(local), str(device))
+    lut = _LUT.get(key)
+    if lut is None:
+        host = torch.full((max(local) + 1,), len(local), dtype=torch.int64)
+        host[list(local)] = torch.arange(len(local))
+        lut = _LUT[key] = host.to(device)
+    return lut
+
+
+def _plan(ids, local, n_local, bm):
+    """Group the (token, slot) pairs by local expert (group n_local: not local, sorted
+    last): sort order, per-expert counts, and the tile table (expert, first row, row end;
+    expert n_local = zero tile, -1 = idle) for a grid of an upper-bound size."""
+    lut = _lut(local, ids.device)
     flat = ids.reshape(-1)
     key = torch.where(flat < len(lut), lut[flat.clamp(max=len(lut) - 1)], n_local)
     order = torch.argsort(key, stable=True)            # expert-major, token order inside
-    counts = torch.bincount(key, minlength=n_local + 1)[:n_local]
+    counts = torch.bincount(key, minlength=n_local + 1)[:n_local + 1]
     starts = torch.cumsum(counts, 0) - counts
-    tiles = (counts + _BM - 1) // _BM
+    tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
-    n_tiles = (flat.numel() + _BM - 1) // _BM + n_local   # >= sum(tiles), known without a sync
+    n_tiles = (flat.numel() + bm - 1) // bm + n_local + 1   # >= sum(tiles), known without a sync
     t = torch.arange(n_tiles, device=ids.device)
     e = torch.searchsorted(tile_end, t, right=True)
-    ec = e.clamp(max=n_local - 1)
-    row0 = starts[ec] + (t - (tile_end[ec] - tiles[ec])) * _BM
-    plan = dict(order=order.to(torch.int32), tile_e=torch.where(e < n_local, e, -1).to(torch.int32),
+    ec = e.clamp(max=n_local)
+    row0 = starts[ec] + (t - (tile_end[ec] - tiles[ec])) * bm
+    plan = dict(order=order.to(torch.int32), tile_e=torch.where(e <= n_local, e, -1).to(torch.int32),
                 row0=row0.to(torch.int32), row_end=(starts[ec] + counts[ec]).to(torch.int32))
-    return plan, key, counts, n_tiles
+    return plan, key, counts[:n_local], n_tiles
 
 
-def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local):
+def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
     t, k = ids.shape
     n_local, inter, hidden = wg.shape[0], wg.shape[1], wg.shape[2]
-    if inter % _GATE_UP["BLOCK_N"] or inter % _DOWN["BLOCK_K"] or hidden % _DOWN["BLOCK_N"] \
-            or hidden % _GATE_UP["BLOCK_K"]:
-        raise NotImplementedError(f"expert shapes H={hidden}, I={inter}: need multiples of 128")
-    plan, key, _, n_tiles = _plan(ids, local, n_local)
+    bm, gate_up, down = cfg or _moe_config(t * k)
+
+    def fits(gu, dn):
+        return not (inter % gu["BLOCK_N"] or inter % dn["BLOCK_K"] or hidden % dn["BLOCK_N"]
+                    or hidden % gu["BLOCK_K"])
+    if not fits(gate_up, down):       # other block widths: the same K walk, so the same bits
+        bm, gate_up, down = _INTERP
+        if not fits(gate_up, down):
+            raise NotImplementedError(f"expert shapes H={hidden}, I={inter}: need multiples of 128")
+    if not t:
+        return (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
+                torch.zeros((0, k), dtype=torch.bool, device=x.device))
+    plan, key, _, n_tiles = _plan(ids, local, n_local, bm)
     x = x.contiguous()
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    contrib = torch.zeros((t * k, hidden), dtype=torch.float32, device=x.device)
+    contrib = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)   # every slot stored
     tiles = (plan["tile_e"], plan["row0"], plan["row_end"])
-    if not (n_tiles and t):
-        return contrib.view(t, k, hidden), (key < n_local).view(t, k)
     wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
-    _gate_up_kernel[(n_tiles, triton.cdiv(inter, _GATE_UP["BLOCK_N"]))](
-        x, plan["order"], *tiles, wg, wu, h, hidden, k,
-        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=_BM, **_GATE_UP, **EXACT)
-    _down_kernel[(n_tiles, triton.cdiv(hidden, _DOWN["BLOCK_N"]))](
-        h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter,
-        h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=_BM, **_DOWN, **EXACT)
+    _gate_up_kernel[(n_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
+        x, plan["order"], *tiles, wg, wu, h, hidden, k, n_local,
+        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, **EXACT)
+    _down_kernel[(n_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
+        h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter, n_local,
+        h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, **EXACT)
     return contrib.view(t, k, hidden), (key < n_local).view(t, k)
 
 
 def _grouped_formula(x, weights, wg, wu, wd, *, ids, local):
     """Differentiable equivalent for the backward: torch._grouped_mm over the same groups."""
     t, k = ids.shape
-    plan, key, counts, _ = _plan(ids, local, wg.shape[0])
+    plan, key, counts, _ = _plan(ids, local, wg.shape[0], _moe_config(t * k)[0])
     sel = plan["order"].long()[: int(counts.sum())]
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = x[sel // k]
@@ -188,12 +234,63 @@ def grouped_expert_contributions(x, ids, weights, wg, wu, wd, local_ids):
                            ids=ids, local=[int(e) for e in local_ids])
 
 
+class _Stack(torch.autograd.Function):
+    """(wg, wu, wd) stacked from 3*L per-expert tensors; backward: each its slice."""
+
+    @staticmethod
+    def forward(ctx, n, *flat):
+        return tuple(s.detach() for s in _stacked(flat, n))   # aliases of the cached stacks
+
+    @staticmethod
+    def backward(ctx, *grads):
+        need = ctx.needs_input_grad[1:]
+        n = len(need) // 3
+        out = [None]
+        for g in grads:
+            out += g.unbind(0) if g is not None else [None] * n
+        if not all(need):
+            out = [gi if nd else None for gi, nd in zip(out, (False,) + tuple(need))]
+        return tuple(out)
+
+
+_STACKS = {}                  # (id of first tensor, L) -> (weakrefs, versions, stacks, nbytes)
+_STACK_CACHE_BYTES = 16 << 30  # at most this much is cached (then: stacked per call, as before)
+_VERSION = operator.attrgetter("_version")
+_DEREF = weakref.ref.__call__
+
+
+def _stacked(flat, n):
+    """torch.stack of flat[0:n], flat[n:2n], flat[2n:3n], cached while every tensor is the
+    same object at the same version (weak references: a freed tensor's id cannot alias).
+    The checks are C-level maps: a few tens of microseconds for 384 tensors."""
+    key = (id(flat[0]), n)
+    hit = _STACKS.get(key)
+    if hit is not None:
+        refs, versions, stacks, _ = hit
+        if all(map(operator.is_, map(_DEREF, refs), flat)) and versions == list(map(_VERSION, flat)):
+            return stacks
+        del _STACKS[key]
+    with torch.no_grad():
+        stacks = tuple(torch.stack(flat[i * n:(i + 1) * n]) for i in range(3))
+    nbytes = sum(s.numel() * s.element_size() for s in stacks)
+    for k in [k for k, v in _STACKS.items() if any(r() is None for r in v[0])]:
+        del _STACKS[k]                              # entries of freed tensors
+    if sum(v[3] for v in _STACKS.values()) + nbytes <= _STACK_CACHE_BYTES:
+        _STACKS[key] = (list(map(weakref.ref, flat)), list(map(_VERSION, flat)), stacks, nbytes)
+    return stacks
+
+
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32 (zeros for slots whose expert is not local) and owned [T, k].
     experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]). The experts are stacked
-    for the grouped kernels (a copy per call: the model keeps per-expert parameters)."""
+    for the grouped kernels (cached while the tensors are unchanged, see the module doc)."""
     local = list(range(len(experts))) if local_experts is None else sorted(int(e) for e in local_experts)
-    wg, wu, wd = (torch.stack([experts[e][i] for e in local]) for i in range(3))
+    g, u, d = zip(*map(experts.__getitem__, local))
+    flat = g + u + d
+    if torch.is_grad_enabled() and any(map(operator.attrgetter("requires_grad"), flat)):
+        wg, wu, wd = _Stack.apply(len(local), *flat)
+    else:
+        wg, wu, wd = _stacked(flat, len(local))
     return grouped_expert_contributions(x, ids, weights, wg, wu, wd, local)
 
 
