@@ -17,10 +17,22 @@ setup(
         "consistent_ops.reference",
         "true_on_policy",
         "true_on_policy.models",
+        "true_on_policy.vllm",
+        "true_on_policy.verl",
+        "true_on_policy.configs",
     ],
     package_dir={
         "consistent_ops": "kernels/consistent_ops",
         "true_on_policy": "recipe/true_on_policy",
+        "true_on_policy.configs": "configs",
     },
+    package_data={"true_on_policy.configs": ["*.yaml", "preset/*.yaml"]},
     install_requires=["torch", "safetensors"],
+    entry_points={
+        # Inert unless TRUE_ON_POLICY=1 (see true_on_policy/vllm/plugin.py).
+        "vllm.general_plugins": ["true_on_policy = true_on_policy.vllm.plugin:register"],
+        # verl imports this module in every process that imports verl; CPU support in it
+        # is inert when an accelerator exists (see true_on_policy/verl/register.py).
+        "verl.plugins": ["true_on_policy = true_on_policy.verl.register"],
+    },
 )

@@ -14,6 +14,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch 2.13.0+cpu ("operator torchvision::nms does not exist"); nothing here needs them.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+  # A *.egg-info left in the repo root shadows the installed metadata for processes started
+  # here (stale entry points: verl / vLLM would not find our plugins).
+  rm -rf ./*.egg-info
   .venv/bin/python -c "import torch, consistent_ops, true_on_policy" 
   echo "$want" > "$stamp"
 fi

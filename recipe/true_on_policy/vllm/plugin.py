@@ -1,0 +1,37 @@
+"""The ``vllm.general_plugins`` entry point. vLLM runs it in every process (front-end,
+engine core, each worker), so it is idempotent and does nothing unless TRUE_ON_POLICY=1.
+Registrations are string paths: nothing heavy is imported until vLLM needs it."""
+import logging
+import os
+
+log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
+
+ENV = "TRUE_ON_POLICY"
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MODEL_CLASS = "true_on_policy.vllm.model:TrueOnPolicyForCausalLM"
+BACKEND_CLASS = "true_on_policy.vllm.attention.ConsistentAttentionBackend"
+_registered = False
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def register() -> None:
+    global _registered
+    if _registered or not enabled():
+        return
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from . import ascend, engine_config
+    ascend.register_vllm_ascend_models()        # first, so the registrations below win
+    for arch in ARCHITECTURES:
+        ModelRegistry.register_model(arch, MODEL_CLASS)
+        MODELS_CONFIG_MAP[arch] = engine_config.hook_for(arch, MODELS_CONFIG_MAP.get(arch))
+    # Our model passes the backend to Attention directly; registering CUSTOM too lets
+    # vLLM code that resolves a layer's backend by enum name find the same class.
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS)
+    _registered = True
+    log.info("true_on_policy: registered %s for %s", MODEL_CLASS, ", ".join(ARCHITECTURES))

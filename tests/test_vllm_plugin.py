@@ -1,0 +1,241 @@
+"""true_on_policy.vllm without an engine: plugin registration, the attention backend on
+vLLM's cache layout, the sampling scheme, pre-flight checks. Fast (no engine start)."""
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import consistent_ops as co  # noqa: E402
+from true_on_policy.models import ModelConfig  # noqa: E402
+from true_on_policy.vllm import attention as va  # noqa: E402
+from true_on_policy.vllm import sampling  # noqa: E402
+from true_on_policy.vllm.preflight import tp_problems, valid_tp_sizes  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- plugin
+PLUGIN_SCRIPT = textwrap.dedent("""
+    import os, json
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from true_on_policy.vllm import plugin
+
+    def state():
+        return {"qwen3": ModelRegistry.models["Qwen3ForCausalLM"].__dict__.get("module_name", "stock"),
+                "moe": ModelRegistry.models["Qwen3MoeForCausalLM"].__dict__.get("module_name", "stock"),
+                "custom": AttentionBackendEnum.CUSTOM.is_overridden(),
+                "hook": "Qwen3MoeForCausalLM" in MODELS_CONFIG_MAP}
+    os.environ.pop("TRUE_ON_POLICY", None)
+    plugin.register()
+    off = state()
+    os.environ["TRUE_ON_POLICY"] = "1"
+    plugin.register(); plugin.register()
+    print(json.dumps({"off": off, "on": state()}))
+""")
+
+
+def test_plugin_is_inert_without_env_and_idempotent_with_it():
+    env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
+    res = subprocess.run([sys.executable, "-c", PLUGIN_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["off"] == {"qwen3": got["off"]["qwen3"], "moe": got["off"]["moe"], "custom": False, "hook": False}
+    assert "true_on_policy" not in got["off"]["qwen3"] + got["off"]["moe"]
+    assert got["on"] == {"qwen3": "true_on_policy.vllm.model", "moe": "true_on_policy.vllm.model",
+                         "custom": True, "hook": True}
+
+
+HOOK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from vllm.engine.arg_utils import EngineArgs
+    cfg = EngineArgs(model=sys.argv[1], max_model_len=256).create_engine_config()
+    out = {"mode": cfg.model_config.logprobs_mode, "procs": cfg.model_config.logits_processors}
+    try:
+        EngineArgs(model=sys.argv[1], max_model_len=256, tensor_parallel_size=3).create_engine_config()
+    except Exception as e:
+        out["tp3"] = str(e)
+    print(json.dumps(out))
+""")
+
+
+def test_config_hook_completes_the_engine_config_and_refuses_bad_tp(tmp_path):
+    """Runs where vLLM builds its config (front-end): before any engine process starts."""
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    model = ensure_tiny_model(tmp_path, "qwen3_moe", hidden_size=64, num_layers=1, head_dim=16)
+    env = {**os.environ, "TRUE_ON_POLICY": "1"}
+    res = subprocess.run([sys.executable, "-c", HOOK_SCRIPT, str(model)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["mode"] == "processed_logits" and got["procs"] == [sampling.V1_PROCESSOR]
+    assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in got["tp3"]
+    assert "num_experts=8 is not divisible" in got["tp3"]
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+    values = [e.value for e in entry_points(group="vllm.general_plugins")]
+    assert "true_on_policy.vllm.plugin:register" in values, "pip install -e . (scripts/setup.sh) first"
+
+
+# ----------------------------------------------------------------------------- preflight
+def _cfg(**over):
+    base = dict(arch="qwen3_moe", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=16, intermediate_size=0, num_experts=6, top_k=2, moe_intermediate_size=32,
+                moe_layers=[0, 1])
+    return ModelConfig(**{**base, **over})
+
+
+def test_preflight_names_every_indivisible_split():
+    cfg = _cfg()
+    assert tp_problems(cfg, 2) == [] and valid_tp_sizes(cfg) == [1, 2]
+    problems = tp_problems(cfg, 4)
+    assert [p.split("=")[0] for p in problems] == ["num_key_value_heads", "num_experts"]
+    assert "tensor_parallel_size=4" in problems[0] and "[1, 2]" in problems[0]
+    dense = _cfg(arch="qwen3", moe_layers=[], num_experts=0, intermediate_size=96)
+    assert [p.split("=")[0] for p in tp_problems(dense, 3)] == ["num_attention_heads", "num_key_value_heads"]
+
+
+# ----------------------------------------------------------------------------- attention
+def _vllm_cache(pages, page, hkv, d, dtype):
+    """A per-layer cache exactly as vLLM 0.31 hands it over for the LBNHC layout: logical
+    [pages, Hkv, page, 2D], token-major in memory; stale pages hold NaN (never zeroed)."""
+    raw = torch.full((pages, page, hkv, 2 * d), float("nan"), dtype=dtype)
+    return raw.permute(0, 2, 1, 3)
+
+
+def _metadata(q_lens, seq_lens, tables, slots):
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    width = max(map(len, tables))
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(q_lens), num_actual_tokens=sum(q_lens), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), block_table_tensor=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=slots)
+
+
+@pytest.mark.parametrize("legacy_shape", [False, True])
+def test_backend_mixed_batch_equals_varlen(legacy_shape):
+    """Decode + chunked prefill + cache hit in one step, through vLLM's layout, builder and
+    impl, equals the trainer's varlen attention over the whole sequences, bitwise."""
+    torch.manual_seed(0)
+    hq, hkv, d, page, dt = 4, 2, 32, 16, torch.bfloat16
+    lens = [70, 150, 33]                       # full sequence lengths
+    done = [69, 64, 0]                          # already in the cache (decode, chunk/prefix hit, fresh)
+    q = torch.randn(sum(lens), hq, d, dtype=dt)
+    k, v = torch.randn(sum(lens), hkv, d, dtype=dt), torch.randn(sum(lens), hkv, d, dtype=dt)
+    cu = torch.tensor([0] + lens).cumsum(0)
+    ref = co.attention_varlen(q, k, v, cu)
+    pages = 64
+    cache = (torch.full((2, pages, page, hkv, d), float("nan"), dtype=dt) if legacy_shape
+             else _vllm_cache(pages, page, hkv, d, dt))
+    order = torch.randperm(pages - 1) + 1       # page 0 is vLLM's null block
+    tables, taken = [], 0
+    for n in lens:
+        m = -(-n // page)
+        tables.append(order[taken:taken + m].tolist())
+        taken += m
+    impl = va.ConsistentAttentionImpl(hq, d, d ** -0.5, hkv)
+    builder = va.ConsistentAttentionMetadataBuilder(None, [], None, "cpu")
+
+    def step(new):                              # new[i]: tokens of sequence i in this step
+        rows = torch.cat([torch.arange(cu[i] + s, cu[i] + s + n) for i, (s, n) in enumerate(new)])
+        pos = [torch.arange(s, s + n) for s, n in new]
+        slots = torch.cat([torch.tensor(tables[i])[p // page] * page + p % page for i, p in enumerate(pos)])
+        meta = builder.build(0, _metadata([n for _, n in new], [s + n for s, n in new], tables, slots))
+        impl.do_kv_cache_update(None, k[rows], v[rows], cache, slots)
+        out = torch.empty(len(rows), hq, d, dtype=dt)
+        impl.forward(None, q[rows], k[rows], v[rows], cache, meta, out)
+        return rows, out
+
+    step([(0, n) for n in done])                # fill the cache
+    rows, out = step([(s, n - s) for s, n in zip(done, lens)])
+    assert torch.equal(out, ref[rows])
+    assert len(builder.build(0, _metadata([1, 86, 33], [70, 150, 33], tables, slots=None)).groups) == 3
+
+
+def test_warmup_without_metadata_returns_zeros():
+    impl = va.ConsistentAttentionImpl(4, 32, 1.0, 2)
+    out = torch.full((3, 4, 32), float("nan"))
+    assert torch.equal(impl.forward(None, out, out, out, None, None, out), torch.zeros(3, 4, 32))
+
+
+def test_group_requests_bounds_padding():
+    assert va.group_requests([1, 1, 64, 1, 60, 2000, 3, 0]) == [[0, 1, 3], [6], [2, 4], [5]]
+
+
+def test_impl_refuses_what_the_contract_lacks():
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        va.ConsistentAttentionImpl(4, 32, 1.0, 2, sliding_window=128)
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype"):
+        va.ConsistentAttentionImpl(4, 32, 1.0, 2, kv_cache_dtype="fp8")
+
+
+# ----------------------------------------------------------------------------- sampling
+def test_sampling_params_carry_the_rollout_temperature():
+    p = sampling.sampling_params(0.7, max_tokens=3, logprobs=0)
+    assert p.temperature == 1.0 and sampling.rollout_temperature(p) == 0.7
+    sampling.validate(p)
+    sampling.validate(sampling.SamplingParams(temperature=1.0))           # T=1 needs no extra_args
+    sampling.validate(sampling.SamplingParams(temperature=0.0))           # greedy
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=0.7), "temperature=0.7"),
+    (dict(temperature=1.0, top_p=0.9), "top_p"),
+    (dict(temperature=1.0, top_k=20), "top_k"),
+    (dict(temperature=1.0, min_p=0.1), "min_p"),
+    (dict(temperature=1.0, repetition_penalty=1.1), "repetition_penalty"),
+    (dict(temperature=1.0, extra_args={sampling.TEMPERATURE_KEY: 0.0}), "positive"),
+])
+def test_validate_rejects_what_would_change_the_distribution(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sampling.validate(sampling.SamplingParams(**kwargs))
+
+
+def _processor():
+    proc = object.__new__(sampling.ContractLogProbs)
+    proc.vocab_limit, proc.temperature = 90, {}
+    return proc
+
+
+def test_v1_processor_rows_are_the_contract_logprobs_after_moves():
+    """Each row becomes co.log_softmax at its request's T; the sampler's division by the
+    engine temperature 1.0 leaves it bit-identical, and token_logprobs agrees."""
+    from vllm.v1.sample.sampler import Sampler
+    proc, logits = _processor(), torch.randn(3, 100) * 3
+    add = lambda i, t: (i, sampling.sampling_params(t), [1], [])
+    proc.update_state(BatchUpdate(3, removed=[], added=[add(0, 0.7), add(1, 1.3), add(2, 1.0)], moved=[]))
+    proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
+    temps = [1.0, 1.3, 0.7]
+    out = Sampler.apply_temperature(proc.apply(logits.clone()), torch.ones(3), all_random=True)
+    for row, t in enumerate(temps):
+        assert torch.equal(out[row], co.log_softmax(logits[row:row + 1], t, 90)[0])
+        tok = torch.tensor([5])
+        assert torch.equal(out[row, 5:6], co.token_logprobs(logits[row:row + 1], tok, t, vocab_limit=90))
+    assert torch.isneginf(out[:, 90:]).all()
+    assert math.isclose(float(torch.logsumexp(out[0], 0)), 0.0, abs_tol=1e-5)
+
+
+def test_v2_processor_reads_temperature_by_slot():
+    from true_on_policy.vllm.sampling_v2 import ContractLogProbsV2
+    proc = object.__new__(ContractLogProbsV2)
+    proc.vocab_limit, proc.staged = 90, torch.ones(4)
+    proc.temperature = proc.staged.clone()
+    assert proc.add_request(3, sampling.sampling_params(0.5))
+    proc.apply_staged_writes()
+    logits = torch.randn(2, 100)
+    out = proc.apply(logits.clone(), SimpleNamespace(expanded_idx_mapping=torch.tensor([3, 0])))
+    assert torch.equal(out[0], co.log_softmax(logits[:1], 0.5, 90)[0])
+    assert torch.equal(out[1], co.log_softmax(logits[1:], 1.0, 90)[0])
