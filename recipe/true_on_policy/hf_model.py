@@ -40,7 +40,7 @@ def _tokenizer_length(path):
 class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]          # FSDP wraps one decoder layer per unit
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True       # Qwen3Model.gradient_checkpointing
     _supports_sdpa = _supports_flash_attn = True  # attention is ours whatever is requested
 
     def __init__(self, config):

@@ -152,4 +152,8 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # The recipe is the true on-policy launcher: TRUE_ON_POLICY=1 unless the caller says
+    # otherwise (TRUE_ON_POLICY=0 runs the same job stock, the baseline). Set before
+    # hydra imports verl, whose plugin hook reads it in this and every later process.
+    os.environ.setdefault("TRUE_ON_POLICY", "1")
     main()

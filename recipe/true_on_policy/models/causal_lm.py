@@ -5,6 +5,7 @@ parameter names, weight loading and logits are shared. ``ConsistentForCausalLM``
 adds the trainer's view: packed or padded batches, varlen attention, autograd and
 the contract's log-probs.
 """
+import re
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from .layers import TensorParallel
 from .qwen3 import LMHead, Qwen3Model
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.")
 
 
 def build_causal_lm(module: nn.Module, cfg: ModelConfig, tp: TensorParallel):
@@ -44,7 +46,10 @@ class CausalLMMixin:
             targets = [name] + ([LM_HEAD] if name == EMBED and self.cfg.tie_word_embeddings else [])
             for target in targets:
                 if target not in params:
-                    continue  # e.g. an expert owned by another rank
+                    if _EXPERT.match(target) or target == LM_HEAD:
+                        continue  # an expert owned by another rank; a tied head's copy
+                    raise KeyError(f"weight {target!r} matches no parameter of {type(self).__name__} "
+                                   f"(expected HF names such as {next(iter(params))!r})")
                 module = self.get_submodule(target.rsplit(".", 1)[0])
                 with torch.no_grad():
                     module.weight_loader(params[target], tensor)

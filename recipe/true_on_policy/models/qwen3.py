@@ -7,6 +7,7 @@ Everything else (projections, norms, RoPE, MLP/MoE, residual order) is this file
 """
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import consistent_ops as co
 from consistent_ops import parallel
@@ -14,6 +15,18 @@ from consistent_ops import parallel
 from .config import ModelConfig
 from .layers import (ColumnParallelLinear, Embedding, ReplicatedLinear, RMSNorm, RowParallelLinear,
                      TensorParallel, _check_divisible)
+
+
+class RotaryTable:
+    """cos/sin [T, D/2] fp32 for one forward. Deliberately a plain object, not a tensor
+    argument: FSDP mixed precision casts floating tensors passed to a wrapped layer's
+    forward to its param dtype, which would round these fp32 tables to bf16."""
+
+    def __init__(self, positions, head_dim, theta):
+        self.cos, self.sin = co.rope_cos_sin(positions, head_dim, theta)
+
+    def apply(self, x):
+        return co.apply_rope(x, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -30,16 +43,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         self.head_dim = d
 
-    def qkv(self, x, cos, sin):
+    def qkv(self, x, rope):
         """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
         t, d = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(t, -1, d))
         k = self.k_norm(self.k_proj(x).view(t, -1, d))
         v = self.v_proj(x).view(t, -1, d)
-        return co.apply_rope(q, cos, sin), co.apply_rope(k, cos, sin), v
+        return rope.apply(q), rope.apply(k), v
 
-    def forward(self, x, cos, sin, attend):
-        q, k, v = self.qkv(x, cos, sin)
+    def forward(self, x, rope, attend):
+        q, k, v = self.qkv(x, rope)
         return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
 
 
@@ -100,11 +113,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
-    def forward(self, hidden, residual, cos, sin, attend):
+    def forward(self, hidden, residual, rope, attend):
         """HF order: x = x + attn(norm(x)); x = x + mlp(norm(x)); the residual add is
         fused into the next norm (the same bf16 add either way)."""
         h, residual = self.input_layernorm(hidden, residual, fuse_residual=True)
-        h = self.self_attn(h, cos, sin, attend)
+        h = self.self_attn(h, rope, attend)
         h, residual = self.post_attention_layernorm(h, residual, fuse_residual=True)
         return self.mlp(h), residual
 
@@ -118,15 +131,19 @@ class Qwen3Model(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.gradient_checkpointing = False   # the name transformers' switch sets
 
     def forward(self, input_ids, positions, attend, hidden=None):
         """attend(layer_idx, q, k, v) -> [T, Hq, D]; ``hidden`` overrides the embedding."""
         if hidden is None:
             hidden = self.embed_tokens(input_ids, self.cfg.dtype)
-        cos, sin = co.rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        rope = RotaryTable(positions, self.cfg.head_dim, self.cfg.rope_theta)
         residual = None
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
+            args = (hidden, residual, rope, lambda q, k, v, i=i: attend(i, q, k, v))
+            # Recomputation repeats the same ops on the same inputs: the same bits.
+            hidden, residual = (checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args))
         return self.norm(hidden, residual, fuse_residual=True)[0]
 
 

@@ -7,11 +7,16 @@ The trainer's config is captured when verl builds its trainer (``configure``).
 """
 import functools
 import logging
+import os
+import time
+from pathlib import Path
+
+import torch
 
 
 log = logging.getLogger("true_on_policy.verl")
 PREFIX = "true_on_policy/"
-DEFAULTS = {"on_mismatch": "raise"}
+DEFAULTS = {"on_mismatch": "raise", "dump_dir": "/tmp/true_on_policy_mismatch"}
 _settings = dict(DEFAULTS)
 
 
@@ -56,11 +61,21 @@ def check_batch(data):
         data.batch["attention_mask"][:, -rollout_lp.shape[1]:]
     metrics = logdiff_metrics(rollout_lp, actor_lp, mask)
     if metrics[PREFIX + "logdiff_max"] != 0.0:
-        report = mismatch_report(rollout_lp, actor_lp, mask.float(), metrics)
+        report = mismatch_report(rollout_lp, actor_lp, mask.float(), metrics) + _dump(data)
         if _settings["on_mismatch"] == "raise":
             raise TrueOnPolicyMismatch(report)
         log.warning(report)
     return metrics
+
+
+def _dump(data):
+    """Keep the step's tokens and both log-probs for offline localisation (nothing lost)."""
+    path = Path(_settings["dump_dir"]).expanduser() / f"step-{os.getpid()}-{time.time_ns()}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch = {k: [t.cpu() for t in v.unbind()] if v.is_nested else v.cpu()
+             for k, v in data.batch.items() if isinstance(v, torch.Tensor)}
+    torch.save(batch, path)
+    return f" Batch saved to {path}."
 
 
 def _wrap(original):
