@@ -195,25 +195,32 @@ def test_verl_reads_the_task_and_loads_the_reward(tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
-def _train(tmp_path, arch: str, env: dict) -> tuple[int, str, list]:
-    """The recipe for 2 GRPO steps; returns (exit code, console, per-step metric records).
-    The tiny model gets a sharp init (std 0.2): a rollout that does not run the trainer's
-    weights then misses the trainer's log-ppl by nats, not by the bf16 noise of a synced one."""
-    run_dir = tmp_path / "run"
-    cmd = [PYTHON, "-m", "true_on_policy.main_ppo", "trainer.total_training_steps=2",
-           f"true_on_policy.cache_dir={tmp_path / 'cache'}", f"true_on_policy.tiny_model.arch={arch}",
-           "true_on_policy.tiny_model.init_std=0.2", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=tmp_path, env={**os.environ, **env})
+def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo", timeout=1200):
+    """A training job in its own process group; returns (exit code, console, per-step records).
+    Records are the JSON lines of verl's file logger (VERL_FILE_LOGGER_PATH)."""
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen([PYTHON, "-m", module, *overrides], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path,
+                            env={**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics), **env})
     try:
-        out, _ = proc.communicate(timeout=1200)
+        out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:  # timed out: take Ray and vLLM down with it
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    metrics = run_dir / "metrics.jsonl"
     records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
     return proc.returncode, out, records
+
+
+def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=()) -> tuple[int, str, list]:
+    """The recipe for ``steps`` GRPO steps. The tiny model gets a sharp init (std 0.2): a
+    rollout that does not run the trainer's weights then misses the trainer's log-ppl by
+    nats, not by the bf16 noise of a synced one."""
+    run_dir = tmp_path / "run"
+    return run_job(tmp_path, env, [f"trainer.total_training_steps={steps}",
+                                   f"true_on_policy.cache_dir={tmp_path / 'cache'}",
+                                   f"true_on_policy.tiny_model.arch={arch}", "true_on_policy.tiny_model.init_std=0.2",
+                                   "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *overrides])
 
 
 def _assert_synced_run(rc, out, records):
@@ -236,6 +243,8 @@ def test_stock_grpo_dense(tmp_path):
                     "weights (oneDNN/SGL) and empties `weight`, so verl's in-place load fails with "
                     f"\"{WEIGHT_SYNC_BLOCKER}\"; needs the vLLM plugin's model class (TRUE_ON_POLICY=1)")
     _assert_synced_run(rc, out, records)
+    # The same job without the plugin is NOT on-policy: the baseline gap true_on_policy closes.
+    assert all(r["data"]["training/rollout_probs_diff_max"] > 0 for r in records)
 
 
 def _model_config(tmp_path, **hf):
@@ -264,12 +273,3 @@ def test_stock_grpo_moe(tmp_path, monkeypatch):
     if reason:
         pytest.skip(f"stock verl + vLLM CPU, Qwen3-MoE: {reason}")
     _assert_synced_run(*_train(tmp_path, "qwen3_moe", {"TRUE_ON_POLICY": "0"}))
-
-
-def test_grpo_moe_with_vllm_plugin(tmp_path):
-    """The recipe's default model with the vLLM plugin's model class (TRUE_ON_POLICY=1):
-    trains 2 steps and the rollout runs the trainer's weights."""
-    from importlib.metadata import entry_points
-    if not any(ep.value.startswith("true_on_policy.vllm") for ep in entry_points(group="vllm.general_plugins")):
-        pytest.skip("the true_on_policy vLLM plugin is not installed")
-    _assert_synced_run(*_train(tmp_path, "qwen3_moe", {"TRUE_ON_POLICY": "1"}))

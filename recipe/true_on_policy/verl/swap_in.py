@@ -6,7 +6,8 @@ is installed right after verl imports the module it concerns (hooks.after_import
 process only pays for what it uses:
 
   driver        verl.trainer.main_ppo         preflight (known-breaking settings fail
-                                              fast) and the trainer's TP emulation degree
+                                              fast), the startup self-check, and the
+                                              trainer's TP emulation degree
   TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
   trainer       FSDP engine                    AutoModelForCausalLM -> the shared model;
                                               log-probs -> consistent_ops.token_logprobs
@@ -35,8 +36,9 @@ def _driver(module):
     def checked_run_ppo(config, *args, **kwargs):
         from omegaconf import open_dict
 
-        from . import preflight
+        from . import preflight, self_check
         preflight.check(config)
+        self_check.run(config)
         with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
             tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
             config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)

