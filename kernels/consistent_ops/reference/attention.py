@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..contract import KV_BLOCK
-from .core import exp32, matmul32, sum32
+from .core import exp32, matmul32, sum32, to64
 
 NEG_INF = float("-inf")
 
@@ -22,14 +22,14 @@ def _attend(q, qpos, seq_lens, fetch_block, hkv, scale):
     S, Tq, Hq, D = q.shape
     g = Hq // hkv
     # [S, Hkv, G*Tq, D]: the G query heads sharing a KV head are stacked as rows.
-    qh = q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D)
+    qh = to64(q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D))
     m = torch.full((S, hkv, g * Tq, 1), NEG_INF, dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros((S, hkv, g * Tq, D), dtype=torch.float32, device=q.device)
     qpos_rows = qpos.repeat(1, g)                                   # [S, G*Tq]
     offsets = torch.arange(KV_BLOCK, device=q.device)
     for j in range(int(qpos.max()) // KV_BLOCK + 1):  # blocks from 0, in order
-        k, v = fetch_block(j)
+        k, v = fetch_block(j)                                       # fp64 (exact copies)
         kpos = j * KV_BLOCK + offsets
         in_seq = kpos[None, :] < seq_lens[:, None]                  # [S, B]
         v = v.masked_fill(~in_seq[:, :, None, None], 0)             # stale cache rows: 0*NaN is NaN
@@ -72,7 +72,8 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     bounds = cu_seqlens.tolist()
     starts, lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     width = -(-max(lens) // KV_BLOCK) * KV_BLOCK
-    qp, kp, vp = (_pad_rows(t, starts, lens, width) for t in (q, k, v))
+    qp = _pad_rows(q, starts, lens, width)
+    kp, vp = (to64(_pad_rows(t, starts, lens, width)) for t in (k, v))
     pos = torch.arange(width, device=q.device)
     seq_lens = torch.tensor(lens, device=q.device)
     qpos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)     # padded rows see a real prefix
@@ -110,12 +111,15 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
     qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
     table = block_table.to(device=q.device, dtype=torch.long)
+    # One gather of every block this call walks (not one per block), widened once.
+    pos = torch.arange((int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK, device=q.device)
+    pos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)      # masked later; keep in range
+    pages = torch.gather(table, 1, pos // page_size)
+    keys, values = to64(key_cache[pages, pos % page_size]), to64(value_cache[pages, pos % page_size])
 
     def fetch_block(j):
-        pos = j * KV_BLOCK + torch.arange(KV_BLOCK, device=q.device)
-        pos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)  # masked later; keep in range
-        pages = torch.gather(table, 1, pos // page_size)
-        return key_cache[pages, pos % page_size], value_cache[pages, pos % page_size]
+        sl = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
+        return keys[:, sl], values[:, sl]
 
     out = _attend(qp, qpos, seq_lens, fetch_block, key_cache.shape[2], scale)
     return _unpad_rows(out, lens)
