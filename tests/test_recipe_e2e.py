@@ -32,7 +32,7 @@ def test_grpo_three_steps_then_resume(tmp_path):
     common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto"]
     assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=3, overrides=common), steps=[1, 2, 3])
     assert (ckpt / "global_step_3").is_dir()
-    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "run" / "metrics.jsonl").unlink()
     assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=4, overrides=common), steps=[4])
 
 

@@ -195,10 +195,11 @@ def test_verl_reads_the_task_and_loads_the_reward(tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
-def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo", timeout=1200):
+def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo", timeout=1200, metrics=None):
     """A training job in its own process group; returns (exit code, console, per-step records).
-    Records are the JSON lines of verl's file logger (VERL_FILE_LOGGER_PATH)."""
-    metrics = tmp_path / "metrics.jsonl"
+    Records are the JSON lines of verl's file logger (VERL_FILE_LOGGER_PATH; the recipe points
+    it at its hydra run dir)."""
+    metrics = metrics or tmp_path / "metrics.jsonl"
     proc = subprocess.Popen([PYTHON, "-m", module, *overrides], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path,
                             env={**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics), **env})
@@ -220,7 +221,8 @@ def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=()) -> tupl
     return run_job(tmp_path, env, [f"trainer.total_training_steps={steps}",
                                    f"true_on_policy.cache_dir={tmp_path / 'cache'}",
                                    f"true_on_policy.tiny_model.arch={arch}", "true_on_policy.tiny_model.init_std=0.2",
-                                   "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *overrides])
+                                   "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *overrides],
+                   metrics=run_dir / "metrics.jsonl")
 
 
 def _assert_synced_run(rc, out, records):

@@ -64,6 +64,7 @@ def apply() -> bool:
     # Deferred to verl's own import of these modules (see hooks.py).
     after_import("verl.workers.engine.fsdp.transformer_impl", _register_cpu_engines)
     after_import("verl.utils.distributed", _patch_process_group_backend)
+    after_import("verl.utils.model", _value_model_sdpa)
     _applied = True
     log.info("true_on_policy: verl CPU support active in pid %d", os.getpid())
     return True
@@ -132,6 +133,35 @@ def _alias_vllm_distribution() -> None:
 
 
 # ----------------------------------------------------------------------------- 3. engines
+def _value_model_sdpa(module) -> None:
+    """verl's ``load_valuehead_model`` (the critic) hard-codes attn_implementation=
+    "flash_attention_2", which has no CPU build: load value models with sdpa instead."""
+    original = module.load_valuehead_model
+    if getattr(original, "_true_on_policy", False):
+        return
+    from transformers import AutoModelForTokenClassification as auto
+
+    def from_pretrained(*args, **kwargs):
+        if kwargs.get("attn_implementation") == "flash_attention_2":
+            kwargs["attn_implementation"] = "sdpa"
+        return auto_from_pretrained(*args, **kwargs)
+
+    auto_from_pretrained, saved = auto.from_pretrained, auto.__dict__.get("from_pretrained")
+
+    def load_valuehead_model(*args, **kwargs):
+        auto.from_pretrained = from_pretrained
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if saved is None:
+                del auto.from_pretrained
+            else:
+                auto.from_pretrained = saved
+
+    load_valuehead_model._true_on_policy = True
+    module.load_valuehead_model = load_valuehead_model
+
+
 def _register_cpu_engines(module) -> None:
     from verl.workers.engine.base import EngineRegistry
     pairs = (("language_model", module.FSDPEngineWithLMHead),

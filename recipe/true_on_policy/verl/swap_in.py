@@ -5,7 +5,7 @@ start) turns a stock ``python -m verl.trainer.main_ppo`` job true on-policy. Eac
 is installed right after verl imports the module it concerns (hooks.after_import), so a
 process only pays for what it uses:
 
-  driver        verl.trainer.main_ppo         preflight (known-breaking settings fail
+  driver        verl.utils.config             preflight (known-breaking settings fail
                                               fast), the startup self-check, and the
                                               trainer's TP emulation degree
   TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
@@ -29,23 +29,32 @@ def enabled() -> bool:
 
 
 def _driver(module):
-    run_ppo = module.run_ppo
-    if getattr(run_ppo, "_true_on_policy", False):
+    """verl's ``main`` calls ``validate_config(config, ...)`` before it starts Ray (also when
+    main_ppo runs as ``__main__``, which no import hook sees): our checks go there, once,
+    in the driver (Ray not yet up), so a bad job fails before anything starts."""
+    validate = module.validate_config
+    if getattr(validate, "_true_on_policy", False):
         return
 
-    def checked_run_ppo(config, *args, **kwargs):
-        from omegaconf import open_dict
+    def validate_config(config, *args, **kwargs):
+        import ray
+        if not ray.is_initialized():
+            _prepare_job(config)
+        return validate(config, *args, **kwargs)
 
-        from . import preflight, self_check
-        preflight.check(config)
-        self_check.run(config)
-        with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
-            tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
-            config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
-        return run_ppo(config, *args, **kwargs)
+    validate_config._true_on_policy = True
+    module.validate_config = validate_config
 
-    checked_run_ppo._true_on_policy = True
-    module.run_ppo = checked_run_ppo
+
+def _prepare_job(config):
+    from omegaconf import open_dict
+
+    from . import preflight, self_check
+    preflight.check(config)
+    with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
+        tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
+        config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
+    self_check.run(config)
 
 
 def _trainer_engine(_module):
@@ -77,7 +86,7 @@ def _guard(module):
 def apply() -> bool:
     if not enabled():
         return False
-    after_import("verl.trainer.main_ppo", _driver)
+    after_import("verl.utils.config", _driver)
     after_import("verl.workers.engine.fsdp.transformer_impl", _trainer_engine)
     after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _rollout_server)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):
