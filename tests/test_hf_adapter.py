@@ -9,11 +9,22 @@ from true_on_policy.models import ConsistentForCausalLM
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_auto_model_is_ours_and_exact(arch, tmp_path_factory):
+@pytest.fixture
+def registered():
+    """hf_model.register() is process-wide (as in a verl worker): undo it for later tests."""
     from true_on_policy import hf_model
-    path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", arch, hidden_size=128, num_layers=2)
+    mapping = transformers.AutoModelForCausalLM._model_mapping
+    saved = dict(mapping._extra_content)
     hf_model.register()
+    yield hf_model
+    mapping._extra_content.clear()
+    mapping._extra_content.update(saved)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_auto_model_is_ours_and_exact(arch, tmp_path_factory, registered):
+    hf_model = registered
+    path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", arch, hidden_size=128, num_layers=2)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert isinstance(model, hf_model.TrueOnPolicyForCausalLM)
     assert next(model.parameters()).dtype == torch.float32            # storage: fp32 master
