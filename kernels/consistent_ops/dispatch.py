@@ -1,5 +1,6 @@
 """Backend choice: one key, resolved once per process, logged with the fingerprint."""
 import importlib
+import importlib.util
 import logging
 import os
 
@@ -31,6 +32,9 @@ def set_backend(name=None):
         name = _auto()
     if name not in _MODULES or name not in ACCUMULATION:
         raise ValueError(f"{ENV_KEY}={name!r} is not a backend; use auto, {', '.join(sorted(_MODULES))}")
+    if importlib.util.find_spec(_MODULES[name]) is None:
+        raise NotImplementedError(f"consistent_ops backend {name!r} is not implemented in this version; "
+                                  f"use reference (any device) or triton (CUDA)")
     _active = importlib.import_module(_MODULES[name])
     log.info("consistent_ops backend=%s contract=%s", name, fingerprint(name))
     return _active
