@@ -6,6 +6,7 @@ the plugin (logdiff > 0) is test_verl_cpu.py::test_stock_grpo_dense."""
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from true_on_policy.verl import cpu_support
 
 pytestmark = pytest.mark.skipif(cpu_support.accelerator_available(), reason="the CPU end-to-end runs")
 ON = {"TRUE_ON_POLICY": "1"}
+REWARD = [f"reward.custom_reward_function.path={Path(__file__).with_name('graded_reward.py')}",
+          "reward.custom_reward_function.name=compute_score"]   # spread in every group: grad_norm > 0
 
 
 def assert_exact_every_step(rc, out, records, steps):
@@ -24,12 +27,13 @@ def assert_exact_every_step(rc, out, records, steps):
         assert m["true_on_policy/logdiff_max"] == 0.0 and m["true_on_policy/frac_exact"] == 1.0, m
         assert m["training/rollout_probs_diff_max"] == 0.0, m      # verl's own metric agrees
         assert m["true_on_policy/num_tokens"] > 0
+        assert m["true_on_policy/contract_match"] == 1.0, m        # both engines ran one contract
         assert m["actor/grad_norm"] > 0, m                           # the policy really moves
 
 
 def test_grpo_three_steps_then_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
-    common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto"]
+    common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto", *REWARD]
     assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=3, overrides=common), steps=[1, 2, 3])
     assert (ckpt / "global_step_3").is_dir()
     (tmp_path / "run" / "metrics.jsonl").unlink()
@@ -37,9 +41,13 @@ def test_grpo_three_steps_then_resume(tmp_path):
 
 
 def test_ppo_with_critic_two_steps(tmp_path):
+    """... with the debug weight-sync checksum on: every sync (start-up, after each step) is exact."""
     overrides = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=4",
-                 "critic.ppo_micro_batch_size_per_gpu=16", "critic.model.path=${actor_rollout_ref.model.path}"]
-    assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=2, overrides=overrides), steps=[1, 2])
+                 "critic.ppo_micro_batch_size_per_gpu=16", "critic.model.path=${actor_rollout_ref.model.path}",
+                 "true_on_policy.check_sync=true", *REWARD]
+    rc, out, records = _train(tmp_path, "qwen3_moe", ON, steps=2, overrides=overrides)
+    assert_exact_every_step(rc, out, records, steps=[1, 2])
+    assert out.count("weight sync exact") >= 2, out[-4000:]
 
 
 def test_swap_in_stock_verl_job(tmp_path):
@@ -59,8 +67,7 @@ def test_swap_in_stock_verl_job(tmp_path):
                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
                  "actor_rollout_ref.rollout.max_model_len=128", "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
                  "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_memory_bytes=268435456",
-                 "reward.custom_reward_function.path=pkg://true_on_policy.task",
-                 "reward.custom_reward_function.name=compute_score", "trainer.logger=[console,file]",
+                 *REWARD, "trainer.logger=[console,file]",
                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
                  "trainer.save_freq=-1", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
                  "+true_on_policy.self_check.enable=true"]

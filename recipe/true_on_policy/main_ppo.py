@@ -26,6 +26,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from true_on_policy import sync_check
+
 log = logging.getLogger("true_on_policy")
 
 PLUGIN = "true_on_policy.verl.register"
@@ -34,6 +36,7 @@ COLUMNS = (("reward", "critic/score/mean", "{:.3f}"),
            ("resp_len", "response_length/mean", "{:.1f}"),
            ("rollout_probs_diff_max", "training/rollout_probs_diff_max", "{:.3e}"),
            ("logdiff_max", "true_on_policy/logdiff_max", "{:.3e}"),
+           ("contract", "true_on_policy/contract_match", "{:.0f}"),
            ("step_s", "timing_s/step", "{:.1f}"))
 
 
@@ -137,6 +140,8 @@ def run(config: DictConfig, explicit: set[str] = frozenset(), table_path: Path |
     """prepare + verl's main. ``table_path``: where verl's file logger writes (the table's source)."""
     from verl.trainer import main_ppo as verl_main_ppo
     prepare(config, explicit)
+    if config.true_on_policy.get("check_sync", False):  # before Ray starts: every process inherits it
+        os.environ[sync_check.ENV] = "1"
     if not config.true_on_policy.step_table or table_path is None:
         verl_main_ppo.main(config)  # hydra passes a given config straight to verl's main
         return

@@ -2,7 +2,8 @@
 
 verl already compares rollout and actor log-probs in ``calculate_debug_metrics``
 (training/rollout_probs_diff_*); we wrap it (both trainer generations import it) to
-add ``true_on_policy/*`` metrics on log-probs themselves and to act on a mismatch.
+add ``true_on_policy/*`` metrics on log-probs themselves and on the contract both engines
+ran (contract_registry), and to act on a mismatch of either.
 The trainer's config is captured when verl builds its trainer (``configure``).
 """
 import functools
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import contract_registry
 
 log = logging.getLogger("true_on_policy.verl")
 PREFIX = "true_on_policy/"
@@ -54,14 +56,22 @@ def mismatch_report(rollout_lp, actor_lp, mask, metrics):
             f"Localise it with: python -m true_on_policy.check --model <actor model path> --localize")
 
 
-def check_batch(data):
-    """Metrics for one step's batch; raise or warn per ``on_mismatch``."""
+def check_batch(data, contracts=None):
+    """Metrics for one step's batch; raise or warn per ``on_mismatch``. ``contracts``:
+    {role: [fingerprint, ...]}, read from this job's registry when not given."""
     rollout_lp, actor_lp = data.batch["rollout_log_probs"], data.batch["old_log_probs"]
     mask = data.batch["response_mask"] if "response_mask" in data.batch else \
         data.batch["attention_mask"][:, -rollout_lp.shape[1]:]
     metrics = logdiff_metrics(rollout_lp, actor_lp, mask)
-    if metrics[PREFIX + "logdiff_max"] != 0.0:
-        report = mismatch_report(rollout_lp, actor_lp, mask.float(), metrics) + _dump(data)
+    contract_ok, contract_why = contract_registry.compare(
+        contract_registry.collect() if contracts is None else contracts)
+    metrics[PREFIX + "contract_match"] = float(contract_ok)
+    problems = [] if metrics[PREFIX + "logdiff_max"] == 0.0 else \
+        [mismatch_report(rollout_lp, actor_lp, mask.float(), metrics)]
+    if not contract_ok:
+        problems.append(f"true on-policy not guaranteed: contract_match=0, {contract_why}.")
+    if problems:
+        report = " ".join(problems) + _dump(data)
         if _settings["on_mismatch"] == "raise":
             raise TrueOnPolicyMismatch(report)
         log.warning(report)

@@ -12,9 +12,13 @@ process only pays for what it uses:
   trainer       FSDP engine                    AutoModelForCausalLM -> the shared model;
                                               log-probs -> consistent_ops.token_logprobs
   vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
-                                              carried to the contract's log-probs
+                                              carried to the contract's log-probs; reports
+                                              its workers' contract (contract_match)
+  trainer       vllm_rollout.ServerAdapter     debug mode (TRUE_ON_POLICY_CHECK_SYNC=1):
+                                              each weight sync checksummed (sync_check)
   vLLM workers  (vllm.general_plugins entry)   our model class + attention backend
 """
+import functools
 import logging
 import os
 
@@ -76,6 +80,37 @@ def _rollout_server(module):
 
     SamplingParams._true_on_policy = True
     module.SamplingParams = SamplingParams
+    _report_rollout_contract(module.vLLMHttpServer)
+
+
+def _report_rollout_contract(server_cls):
+    """Once the server's engine is up, ask each of its workers which contract its model
+    runs and report it (contract_registry: the contract_match metric)."""
+    run_server = server_cls.run_server
+
+    async def reporting_run_server(self, *args, **kwargs):
+        result = await run_server(self, *args, **kwargs)
+        from . import contract_registry
+        contract_registry.publish("rollout", await self.engine.collective_rpc("true_on_policy_contract"))
+        return result
+
+    server_cls.run_server = functools.wraps(run_server)(reporting_run_server)
+
+
+def _weight_sync(module):
+    """Debug mode (sync_check): the trainer's side of the checksummed weight sync."""
+    from .. import sync_check
+    update = module.ServerAdapter.update_weights
+    if not sync_check.enabled() or getattr(update, "_true_on_policy", False):
+        return
+
+    async def update_weights(self, weights, *args, wire_format="named_tensors", **kwargs):
+        if wire_format == "named_tensors":
+            weights = sync_check.sending(weights)
+        return await update(self, weights, *args, wire_format=wire_format, **kwargs)
+
+    update_weights._true_on_policy = True
+    module.ServerAdapter.update_weights = functools.wraps(update)(update_weights)
 
 
 def _guard(module):
@@ -89,6 +124,7 @@ def apply() -> bool:
     after_import("verl.utils.config", _driver)
     after_import("verl.workers.engine.fsdp.transformer_impl", _trainer_engine)
     after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _rollout_server)
+    after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", _weight_sync)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):
         after_import(name, _guard)
     log.info("true_on_policy: on (%s=1)", ENV)

@@ -5,19 +5,26 @@ divides the logits by the per-row fp32 temperature tensor — one IEEE division,
 the contract's — then calls ``logprobs_from_logits`` (imported by name, so both names
 are patched). We replace that call with ``consistent_ops.token_logprobs`` at T = 1 (the
 division already happened; /1 is exact) and the padded-vocabulary rule, so old_log_prob,
-ref and the policy-update forward all compute the rollout's bits.
+ref and the policy-update forward all compute the rollout's bits. The first call in a
+worker reports the contract it ran (contract_registry: the contract_match metric).
 """
 import logging
 
 import consistent_ops as co
 
 from .. import hf_model
+from . import contract_registry
 
 log = logging.getLogger("true_on_policy.verl")
 _TARGETS = ("verl.utils.torch_functional", "verl.workers.engine.fsdp.transformer_impl")
+_reported = False
 
 
 def contract_logprobs_from_logits(logits, labels, inplace_backward=True):
+    global _reported
+    if not _reported:
+        contract_registry.publish("trainer", [co.contract_fingerprint()])
+        _reported = True
     limit = hf_model.active_vocab_limit()
     lp = co.token_logprobs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), 1.0, limit)
     return lp.view(labels.shape)

@@ -18,7 +18,9 @@ import os
 import torch
 
 import consistent_ops as co
+from true_on_policy import sync_check
 from true_on_policy.models import CausalLM, ModelConfig, TensorParallel
+from true_on_policy.models.causal_lm import LM_HEAD
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.layers.attention import Attention
@@ -62,8 +64,20 @@ class TrueOnPolicyForCausalLM(CausalLM):
         if os.environ.get(PERTURB_ENV):
             from true_on_policy.check_capture import install_perturbation
             install_perturbation(self, os.environ[PERTURB_ENV])
+        self.contract_fingerprint = co.contract_fingerprint()  # reported by the worker (plugin.py)
         log.info("true_on_policy: %s TP %d/%d, consistent_ops %s", cfg.arch, tp.rank, tp.size,
-                 co.contract_fingerprint())
+                 self.contract_fingerprint)
+
+    def load_weights(self, weights):
+        """verl's in-place sync lands here too; in debug mode (sync_check) it is checksummed."""
+        if not sync_check.enabled():
+            return super().load_weights(weights)
+        if not hasattr(self, "_sync_receiver"):
+            self._sync_receiver = sync_check.Receiver()
+        held = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+        if self.cfg.tie_word_embeddings:
+            held.discard(LM_HEAD)       # set from the embedding's tensor
+        return super().load_weights(self._sync_receiver.filter(weights, held))
 
     def _attend(self, layer_idx, q, k, v):
         """[T, Hq, D], [T, Hkv, D] -> [T, Hq, D] through vLLM's Attention (cache write + paged attention)."""

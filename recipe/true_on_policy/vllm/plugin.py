@@ -17,6 +17,12 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+def worker_contract(worker):
+    """``collective_rpc("true_on_policy_contract")``: the contract fingerprint of the model
+    this worker runs; None when it is not ours (the plugin did not take the model)."""
+    return getattr(worker.model_runner.get_model(), "contract_fingerprint", None)
+
+
 def register() -> None:
     global _registered
     if _registered or not enabled():
@@ -33,5 +39,7 @@ def register() -> None:
     # Our model passes the backend to Attention directly; registering CUSTOM too lets
     # vLLM code that resolves a layer's backend by enum name find the same class.
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS)
+    from vllm.v1.worker.worker_base import WorkerBase
+    WorkerBase.true_on_policy_contract = worker_contract
     _registered = True
     log.info("true_on_policy: registered %s for %s", MODEL_CLASS, ", ".join(ARCHITECTURES))

@@ -1,0 +1,90 @@
+"""Debug mode: every trainer -> rollout weight sync is checksummed on both sides.
+
+With ``TRUE_ON_POLICY_CHECK_SYNC=1`` (the recipe sets it from
+``true_on_policy.check_sync``) the trainer side digests each tensor it sends (name, dtype,
+shape, bytes) between two extra items that open and close the stream (``SYNC_START``,
+then ``SYNC_ITEM`` carrying the table); the rollout side digests what it receives in
+between, and on the closing item compares the two tables and checks that the sync covered every parameter it holds. Any difference stops
+the sync with the names that differ, so a rollout never samples from weights the
+trainer does not have. Off by default: hashing every tensor costs a copy to host.
+"""
+import hashlib
+import json
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("vllm.true_on_policy")  # logged by the rollout worker: vLLM's handler
+ENV = "TRUE_ON_POLICY_CHECK_SYNC"
+SYNC_START, SYNC_ITEM = "true_on_policy.sync_start", "true_on_policy.sync_digest"
+
+
+class WeightSyncMismatch(RuntimeError):
+    """The rollout did not receive exactly the tensors the trainer sent."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+def digest(tensor: torch.Tensor) -> str:
+    t = tensor.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def encode(table: dict) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(table).encode()), dtype=torch.uint8)
+
+
+def decode(item: torch.Tensor) -> dict:
+    return json.loads(item.cpu().numpy().tobytes().decode())
+
+
+async def sending(weights):
+    """Trainer side: SYNC_START, the (sync or async) stream of (name, tensor), SYNC_ITEM."""
+    from verl.workers.rollout.utils import ensure_async_iterator
+    table = {}
+    yield SYNC_START, torch.zeros(1, dtype=torch.uint8)
+    async for name, tensor in ensure_async_iterator(weights):
+        table[name] = digest(tensor)
+        yield name, tensor
+    yield SYNC_ITEM, encode(table)
+
+
+class Receiver:
+    """Rollout side, one per model: digests what arrives between SYNC_START and SYNC_ITEM
+    (over several load_weights calls, one per bucket). A load outside a sync (vLLM's
+    own checkpoint load) passes through unchecked."""
+
+    def __init__(self):
+        self.table = None
+
+    def filter(self, weights, expected_names):
+        """Pass the weights through, digesting them; verify on SYNC_ITEM. ``expected_names``:
+        the parameters this rank holds, each of which a sync must set."""
+        for name, tensor in weights:
+            if name == SYNC_START:
+                self.table = {}
+            elif name == SYNC_ITEM:
+                self.verify(decode(tensor), expected_names)
+            else:
+                if self.table is not None:
+                    self.table[name] = digest(tensor)
+                yield name, tensor
+
+    def verify(self, sent: dict, expected_names):
+        got, self.table = self.table or {}, None
+        problems = []
+        differ = sorted(n for n in sent.keys() & got.keys() if sent[n] != got[n])
+        for what, names in (("arrived with other bytes", differ),
+                            ("sent but not received", sorted(sent.keys() - got.keys())),
+                            ("received but not sent", sorted(got.keys() - sent.keys())),
+                            ("held by the rollout but not synced", sorted(set(expected_names) - got.keys()))):
+            if names:
+                problems.append(f"{len(names)} {what} (e.g. {', '.join(names[:3])})")
+        if problems:
+            raise WeightSyncMismatch("true_on_policy: weight sync not exact: " + "; ".join(problems))
+        log.info("true_on_policy: weight sync exact (%d tensors checksummed on both sides)", len(got))

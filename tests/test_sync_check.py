@@ -1,0 +1,66 @@
+"""Debug-mode weight sync checksum (true_on_policy.sync_check): the trainer's stream and
+the rollout's receiver agree on an exact sync, over several buckets, and name what
+differs otherwise. The whole loop with it on is in test_recipe_e2e.py."""
+import asyncio
+
+import pytest
+import torch
+
+from true_on_policy import sync_check
+
+HELD = ["a.weight", "b.weight", "c.weight"]
+
+
+def trainer_stream(weights):
+    async def collect():
+        return [item async for item in sync_check.sending(iter(weights))]
+    return asyncio.run(collect())
+
+
+def weights():
+    torch.manual_seed(0)
+    return [("a.weight", torch.randn(4, 3)), ("b.weight", torch.randn(5).bfloat16()),
+            ("c.weight", torch.randn(2, 2))]
+
+
+def receive(items, held=HELD, buckets=(2,)):
+    """The rollout side: one load_weights call per bucket, as verl's receiver makes them."""
+    receiver, loaded, start = sync_check.Receiver(), [], 0
+    for end in [*buckets, len(items)]:
+        loaded += list(receiver.filter(items[start:end], held))
+        start = end
+    return loaded
+
+
+def test_exact_sync_passes_and_loads_only_weights():
+    sent = weights()
+    loaded = receive(trainer_stream(sent), buckets=(1, 3))
+    assert [n for n, _ in loaded] == [n for n, _ in sent]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded, sent))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda items: items.__setitem__(2, ("b.weight", items[2][1].float().bfloat16() + 2 ** -7)),
+     "1 arrived with other bytes (e.g. b.weight)"),
+    (lambda items: items.__setitem__(2, ("b.weight", items[2][1].float())),      # a dtype change on the way
+     "1 arrived with other bytes (e.g. b.weight)"),
+    (lambda items: items.pop(3), "1 sent but not received (e.g. c.weight)"),
+    (lambda items: items.insert(1, ("z.weight", torch.ones(1))), "1 received but not sent (e.g. z.weight)"),
+])
+def test_any_difference_stops_the_sync(change, message):
+    items = trainer_stream(weights())
+    change(items)
+    with pytest.raises(sync_check.WeightSyncMismatch, match="weight sync not exact") as err:
+        receive(items)
+    assert message in str(err.value)
+
+
+def test_a_parameter_left_out_of_the_sync_is_named():
+    items = trainer_stream(weights()[:2])
+    with pytest.raises(sync_check.WeightSyncMismatch, match=r"1 held by the rollout but not synced \(e.g. c.weight\)"):
+        receive(items)
+
+
+def test_a_load_outside_a_sync_is_not_checked():
+    """vLLM's own checkpoint load at start-up goes through load_weights without the markers."""
+    assert len(receive(weights(), held=["x.weight"])) == 3
