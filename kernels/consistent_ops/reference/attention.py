@@ -2,46 +2,53 @@
 
 ``attention_varlen`` (packed training batches, prefill without cache) and
 ``attention_paged`` (any number of new tokens per sequence against a paged KV
-cache) differ only in how a KV block is fetched; both run ``_attend``, so a token
-gets the same bits whether it was trained, prefilled, chunk-prefilled or decoded.
+cache) differ only in how they lay K/V out per sequence (zero-padding vs a gather
+from the pages); both run ``_attend``, so a token gets the same bits whether it was
+trained, prefilled, chunk-prefilled or decoded.
 """
 import math
 
 import torch
 
 from ..contract import KV_BLOCK
-from .core import exp32, matmul32, sum32, to64
+from .core import exp32, matmul32, sum32
 
 NEG_INF = float("-inf")
 
 
-def _attend(q, qpos, seq_lens, fetch_block, hkv, scale):
+def _heads_major64(x):
+    """[S, L, H, D] -> contiguous fp64 [S, H, L, D] (exact), in one copy, so every KV block
+    below is a plain strided view that the batched matmul reads without copying."""
+    return x.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
+
+
+def _attend(q, qpos, seq_lens, k, v, scale):
     """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions, seq_lens [S];
-    fetch_block(j) -> k, v [S, KV_BLOCK, Hkv, D] for positions j*KV_BLOCK + [0, KV_BLOCK).
-    Returns [S, Tq, Hq, D] in q's dtype."""
+    k, v [S, L, Hkv, D] from position 0, L a multiple of KV_BLOCK past every qpos,
+    v zero at positions >= seq_len. Returns [S, Tq, Hq, D] in q's dtype."""
     S, Tq, Hq, D = q.shape
+    hkv = k.shape[2]
     g = Hq // hkv
     # [S, Hkv, G*Tq, D]: the G query heads sharing a KV head are stacked as rows.
-    qh = to64(q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D))
+    qh = q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D).double()
     m = torch.full((S, hkv, g * Tq, 1), NEG_INF, dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros((S, hkv, g * Tq, D), dtype=torch.float32, device=q.device)
     qpos_rows = qpos.repeat(1, g)                                   # [S, G*Tq]
     offsets = torch.arange(KV_BLOCK, device=q.device)
     for j in range(int(qpos.max()) // KV_BLOCK + 1):  # blocks from 0, in order
-        k, v = fetch_block(j)                                       # fp64 (exact copies)
+        sl = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
         kpos = j * KV_BLOCK + offsets
-        in_seq = kpos[None, :] < seq_lens[:, None]                  # [S, B]
-        v = v.masked_fill(~in_seq[:, :, None, None], 0)             # stale cache rows: 0*NaN is NaN
-        visible = (kpos[None, None, :] <= qpos_rows[:, :, None]) & in_seq[:, None, :]
-        s = matmul32(qh, k.permute(0, 2, 3, 1)) * scale             # [S, Hkv, G*Tq, B]
+        visible = (kpos[None, None, :] <= qpos_rows[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None])
+        kb, vb = _heads_major64(k[:, sl]), _heads_major64(v[:, sl])
+        s = matmul32(qh, kb.transpose(-1, -2)) * scale             # [S, Hkv, G*Tq, B]
         s = s.masked_fill(~visible[:, None], NEG_INF)
         # m only shifts the exponent: detach it so autograd sees the exact softmax.
         m_new = torch.maximum(m, s.detach().amax(-1, keepdim=True))
         a = exp32(m - m_new)
         p = exp32(s - m_new)
         l = l * a + sum32(p, -1, keepdim=True)
-        acc = acc * a + matmul32(p, v.permute(0, 2, 1, 3))
+        acc = acc * a + matmul32(p, vb)
         m = m_new
     out = (acc / l).reshape(S, hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D)
     return out.to(q.dtype)
@@ -72,17 +79,11 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     bounds = cu_seqlens.tolist()
     starts, lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     width = -(-max(lens) // KV_BLOCK) * KV_BLOCK
-    qp = _pad_rows(q, starts, lens, width)
-    kp, vp = (to64(_pad_rows(t, starts, lens, width)) for t in (k, v))
+    qp, kp, vp = (_pad_rows(t, starts, lens, width) for t in (q, k, v))
     pos = torch.arange(width, device=q.device)
     seq_lens = torch.tensor(lens, device=q.device)
     qpos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)     # padded rows see a real prefix
-
-    def fetch_block(j):
-        sl = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
-        return kp[:, sl], vp[:, sl]
-
-    out = _attend(qp, qpos, seq_lens, fetch_block, k.shape[1], scale)
+    out = _attend(qp, qpos, seq_lens, kp, vp, scale)
     return _unpad_rows(out, lens)
 
 
@@ -111,15 +112,15 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
     qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
     table = block_table.to(device=q.device, dtype=torch.long)
-    # One gather of every block this call walks (not one per block), widened once.
+    # One gather of every block this call walks (not one per block). Positions past
+    # seq_len read the last real slot (stale pages may hold NaN, and 0 * NaN is NaN),
+    # then their V rows are zeroed as in the padded varlen layout.
     pos = torch.arange((int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK, device=q.device)
-    pos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)      # masked later; keep in range
-    pages = torch.gather(table, 1, pos // page_size)
-    keys, values = to64(key_cache[pages, pos % page_size]), to64(value_cache[pages, pos % page_size])
-
-    def fetch_block(j):
-        sl = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
-        return keys[:, sl], values[:, sl]
-
-    out = _attend(qp, qpos, seq_lens, fetch_block, key_cache.shape[2], scale)
+    past_end = (pos[None, :] >= seq_lens[:, None]).flatten().nonzero().squeeze(1)
+    pos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)
+    slots = torch.gather(table, 1, pos // page_size) * page_size + pos % page_size   # [S, L]
+    keys, values = (c.view(-1, *c.shape[2:]).index_select(0, slots.flatten()) for c in (key_cache, value_cache))
+    values.index_fill_(0, past_end, 0)
+    shape = (*slots.shape, *key_cache.shape[2:])
+    out = _attend(qp, qpos, seq_lens, keys.view(shape), values.view(shape), scale)
     return _unpad_rows(out, lens)
