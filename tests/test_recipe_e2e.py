@@ -45,7 +45,8 @@ def test_ppo_with_critic_two_steps(tmp_path):
     overrides = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=4",
                  "critic.ppo_micro_batch_size_per_gpu=16", "critic.model.path=${actor_rollout_ref.model.path}",
                  "true_on_policy.check_sync=true", *REWARD]
-    rc, out, records = _train(tmp_path, "qwen3_moe", ON, steps=2, overrides=overrides)
+    env = {**ON, "VLLM_LOGGING_LEVEL": "INFO"}   # verl's default (WARN) hides the rollout's sync lines
+    rc, out, records = _train(tmp_path, "qwen3_moe", env, steps=2, overrides=overrides)
     assert_exact_every_step(rc, out, records, steps=[1, 2])
     assert out.count("weight sync exact") >= 2, out[-4000:]
 
