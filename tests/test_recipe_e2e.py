@@ -3,6 +3,7 @@ logdiff == 0.0 at every step while the weights change (GRPO, PPO with a critic),
 resume from a checkpoint, and for a stock `verl.trainer.main_ppo` job swapped in with
 TRUE_ON_POLICY=1; a known-breaking setting fails fast with its fix. The same job without
 the plugin (logdiff > 0) is test_verl_cpu.py::test_stock_grpo_dense."""
+import os
 import subprocess
 import sys
 import time
@@ -57,8 +58,11 @@ def test_swap_in_stock_verl_job(tmp_path):
     from test_verl_cpu import _compose
     cfg = _compose([f"true_on_policy.cache_dir={tmp_path / 'cache'}", "true_on_policy.tiny_model.arch=qwen3"])
     prepare(cfg)                      # only to build the tiny model and task files
-    cpu = subprocess.run([PYTHON, "-m", "true_on_policy.verl.cpu_support", "1"], capture_output=True,
-                         text=True, check=True).stdout.split()
+    # The stock CPU overrides, incl. padded batches (use_remove_padding=False): the recipe tests
+    # above run packed, so both trainer batch layouts are covered.
+    cpu = subprocess.run([PYTHON, "-m", "true_on_policy.verl.cpu_support", "1"], capture_output=True, text=True,
+                         check=True, env={**os.environ, "TRUE_ON_POLICY": "0"}).stdout.split()
+    assert "++actor_rollout_ref.model.use_remove_padding=False" in cpu
     overrides = [*cpu, "algorithm.adv_estimator=grpo", f"data.train_files={cfg.data.train_files}",
                  f"data.val_files={cfg.data.val_files}", "data.train_batch_size=4", "data.max_prompt_length=64",
                  "data.max_response_length=32", f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path}",

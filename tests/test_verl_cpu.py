@@ -130,6 +130,15 @@ def test_cpu_settings_leave_explicit_keys(monkeypatch):
     assert "critic" not in config and not any(k.startswith("critic.") for k in written)
 
 
+@pytest.mark.parametrize("plugin, packed", [("1", True), ("0", False)])
+def test_actor_packs_only_with_the_plugin_model(monkeypatch, plugin, packed):
+    """Stock HF models need flash-attn to pack on CPU; ours packs with the contract's attention."""
+    monkeypatch.setenv("TRUE_ON_POLICY", plugin)
+    key = "actor_rollout_ref.model.use_remove_padding"
+    assert (key not in cpu_support.settings_for(1)) is packed     # verl's default (True) stays
+    assert cpu_support.settings_for(1)["critic.model.use_remove_padding"] is False
+
+
 def test_cpu_settings_print_as_overrides(capsys):
     cpu_support.main(["2"])
     lines = capsys.readouterr().out.splitlines()

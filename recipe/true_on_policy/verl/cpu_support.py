@@ -208,6 +208,10 @@ def cpu_settings(config) -> dict:
 
 
 def settings_for(n_ranks: int) -> dict:
+    from . import swap_in
+    # Packed (remove-padding) batches of a stock HF model rely on flash-attn varlen kernels;
+    # the true_on_policy model (TRUE_ON_POLICY=1) packs with the contract's own attention.
+    actor_packing = {} if swap_in.enabled() else {"actor_rollout_ref.model.use_remove_padding": False}
     return {
         "trainer.device": "cpu",
         # FSDP1 needs an accelerator; the ref and critic engines follow.
@@ -216,8 +220,7 @@ def settings_for(n_ranks: int) -> dict:
         # verl's default is flash_attention_2 (CUDA only).
         "actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
         "critic.model.override_config.attn_implementation": "sdpa",
-        # Packed (remove-padding) batches rely on flash-attn varlen kernels.
-        "actor_rollout_ref.model.use_remove_padding": False,
+        **actor_packing,
         "critic.model.use_remove_padding": False,
         # Inductor compiles cost minutes of CPU on a small box; eager is the same math.
         "actor_rollout_ref.actor.use_torch_compile": False,
