@@ -24,8 +24,9 @@ def _heads_major64(x):
 
 def _attend(q, qpos, seq_lens, k, v, scale):
     """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions, seq_lens [S];
-    k, v [S, L, Hkv, D] from position 0, L a multiple of KV_BLOCK past every qpos,
-    v zero at positions >= seq_len. Returns [S, Tq, Hq, D] in q's dtype."""
+    k, v [S, L, Hkv, D] from position 0, L covering every block up to the last qpos;
+    at positions >= seq_len k may hold anything (masked) and v must be zero.
+    Returns [S, Tq, Hq, D] in q's dtype."""
     S, Tq, Hq, D = q.shape
     hkv = k.shape[2]
     g = Hq // hkv
@@ -112,15 +113,17 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
     qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
     table = block_table.to(device=q.device, dtype=torch.long)
-    # One gather of every block this call walks (not one per block). Positions past
-    # seq_len read the last real slot (stale pages may hold NaN, and 0 * NaN is NaN),
-    # then their V rows are zeroed as in the padded varlen layout.
-    pos = torch.arange((int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK, device=q.device)
-    past_end = (pos[None, :] >= seq_lens[:, None]).flatten().nonzero().squeeze(1)
-    pos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)
-    slots = torch.gather(table, 1, pos // page_size) * page_size + pos % page_size   # [S, L]
-    keys, values = (c.view(-1, *c.shape[2:]).index_select(0, slots.flatten()) for c in (key_cache, value_cache))
-    values.index_fill_(0, past_end, 0)
-    shape = (*slots.shape, *key_cache.shape[2:])
-    out = _attend(qp, qpos, seq_lens, keys.view(shape), values.view(shape), scale)
+    # One gather of the whole pages that hold every block this call walks (a page is one
+    # strided copy; single slots are not). Columns past a sequence's last page repeat it.
+    # Positions past seq_len are masked in _attend; their V rows are zeroed here, as in
+    # the padded varlen layout (stale cache rows may hold NaN, and 0 * NaN is NaN).
+    walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
+    n_pages = -(-walked // page_size)
+    last_page = (seq_lens[:, None] - 1) // page_size
+    pages = torch.gather(table, 1, torch.minimum(torch.arange(n_pages, device=q.device)[None, :], last_page))
+    keys, values = (c.index_select(0, pages.flatten()).view(len(lens), n_pages * page_size, *c.shape[2:])
+                    for c in (key_cache, value_cache))
+    past_end = torch.arange(n_pages * page_size, device=q.device)[None, :] >= seq_lens[:, None]
+    values.view(-1, *values.shape[2:]).index_fill_(0, past_end.flatten().nonzero().squeeze(1), 0)
+    out = _attend(qp, qpos, seq_lens, keys, values, scale)
     return _unpad_rows(out, lens)

@@ -8,14 +8,34 @@ are evaluated in fp64 too because ATen's vectorised and scalar-tail fp32 paths
 return different bits for the same input (seen for silu/sigmoid/rsqrt on CPU).
 """
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def to64(x: torch.Tensor) -> torch.Tensor:
-    """Exact widening to fp64; bf16/fp16 go through fp32 (also exact), which ATen does
-    several times faster than its direct bf16 -> fp64 path."""
-    if x.dtype in (torch.bfloat16, torch.float16):
-        x = x.float()
+    """Exact widening to fp64."""
     return x.double()
+
+
+# weight -> ((version, data_ptr), fp64 copy); entries die with their weight.
+_WIDE_WEIGHTS = WeakIdKeyDictionary()
+
+
+def weight64(w: torch.Tensor) -> torch.Tensor:
+    """to64(w), kept per weight version under inference mode (the rollout engine's mode).
+
+    At decode batch sizes, widening every weight on every call costs more than the
+    matmuls. In the rollout, weights change only in place through ``load_weights``,
+    which bumps the version counter (a write through ``.data`` would not). Elsewhere,
+    e.g. in training, where autograd needs the conversion in its graph and FSDP refills
+    parameters without bumping versions, the weight is widened per call. Costs 4x the
+    bf16 weight memory."""
+    if not torch.is_inference_mode_enabled() or w.is_inference():   # inference tensors have no version
+        return to64(w)
+    key = (w._version, w.data_ptr())
+    hit = _WIDE_WEIGHTS.get(w)
+    if hit is None or hit[0] != key:
+        hit = _WIDE_WEIGHTS[w] = (key, to64(w))
+    return hit[1]
 
 
 def matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """Batch-invariant linear and its tensor-parallel row-parallel form."""
 import torch
 
-from .core import matmul32
+from .core import matmul32, to64, weight64
 
 
 def linear(x, weight, bias=None, out_dtype=None):
     """x [..., K] @ weight[N, K].T: each output is one fp64 dot product rounded once,
     so a row's bits never depend on the other rows in the call or the thread count."""
-    out = matmul32(x, weight.t())
+    out = matmul32(x, weight64(weight).t())
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype)
@@ -15,7 +15,7 @@ def linear(x, weight, bias=None, out_dtype=None):
 
 def row_parallel_partial(x_shard, w_shard):
     """One rank's partial product over its K-shard, in the contract's partial dtype (fp64)."""
-    return torch.matmul(x_shard.double(), w_shard.double().t())
+    return torch.matmul(to64(x_shard), weight64(w_shard).t())
 
 
 def ordered_sum(partials):

@@ -32,6 +32,13 @@ def _check_divisible(what, n, size):
                          f"choose a TP size that divides it")
 
 
+def _write(param, value):
+    """In-place weight update that bumps the version counter (``param.data.copy_`` would
+    not): the reference backend keeps fp64 copies of rollout weights per version."""
+    with torch.no_grad():
+        param.copy_(value)
+
+
 class _Linear(nn.Module):
     def __init__(self, in_features, out_features, bias, dtype):
         super().__init__()
@@ -39,7 +46,7 @@ class _Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
     def weight_loader(self, param, full):
-        param.data.copy_(full)
+        _write(param, full)
 
 
 class ReplicatedLinear(_Linear):
@@ -64,7 +71,7 @@ class ColumnParallelLinear(_Linear):
         return co.linear(x, self.weight.to(x.dtype), self.bias, self.out_dtype)
 
     def weight_loader(self, param, full):
-        param.data.copy_(full.chunk(self.tp.size, 0)[self.tp.rank] if self.tp.sharded else full)
+        _write(param, full.chunk(self.tp.size, 0)[self.tp.rank] if self.tp.sharded else full)
 
 
 class RowParallelLinear(_Linear):
@@ -85,9 +92,9 @@ class RowParallelLinear(_Linear):
 
     def weight_loader(self, param, full):
         if param is self.bias or not self.tp.sharded:
-            param.data.copy_(full)
+            _write(param, full)
         else:
-            param.data.copy_(full.chunk(self.tp.size, -1)[self.tp.rank])
+            _write(param, full.chunk(self.tp.size, -1)[self.tp.rank])
 
 
 class RMSNorm(nn.Module):
@@ -102,7 +109,7 @@ class RMSNorm(nn.Module):
         return co.rms_norm(x, self.weight, self.eps)
 
     def weight_loader(self, param, full):
-        param.data.copy_(full)
+        _write(param, full)
 
 
 class Embedding(nn.Module):
@@ -116,4 +123,4 @@ class Embedding(nn.Module):
         return co.embedding(ids, self.weight).to(dtype)
 
     def weight_loader(self, param, full):
-        param.data.copy_(full)
+        _write(param, full)
