@@ -1,5 +1,5 @@
-"""The reference backend's fp64 weight copies (kept per weight version under inference
-mode, i.e. in the rollout): reused while a weight is unchanged, refreshed after any
+"""The reference backend's fp64 weight copies and expert stacks (kept per weight version
+under inference mode, i.e. in the rollout): reused while a weight is unchanged, refreshed after any
 in-place update (verl's weight sync through load_weights, an optimizer-style op), never
 used outside inference mode; the bits are those of a per-call widening."""
 import torch
@@ -36,9 +36,10 @@ def test_rollout_follows_in_place_weight_sync():
     model.load_weights(new.state_dict().items())              # verl's sync: in place, by HF name
     after = logits(model, ids, pos, inference=True)
     assert torch.equal(after, logits(new, ids, pos, inference=False)) and not torch.equal(after, before)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(2)                           # any in-place op bumps the version
-        new.lm_head.weight.mul_(2)
+    with torch.no_grad():                                      # any in-place op bumps the version
+        for m in (model, new):
+            m.lm_head.weight.mul_(2)
+            m.model.layers[1].mlp.experts["3"].down_proj.weight.mul_(-1)   # one expert of the stack
     assert torch.equal(logits(model, ids, pos, inference=True), logits(new, ids, pos, inference=False))
 
 

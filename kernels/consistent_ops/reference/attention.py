@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..contract import KV_BLOCK
-from .core import exp32, matmul32, sum32
+from .core import exp32, matmul32, sum32, to64
 
 NEG_INF = float("-inf")
 
@@ -22,8 +22,8 @@ def _heads_major64(x):
     return x.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
 
 
-def _attend(q, qpos, seq_lens, k, v, scale):
-    """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions, seq_lens [S];
+def _attend(q, qpos, k, v, scale):
+    """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions (< seq_len);
     k, v [S, L, Hkv, D] from position 0, L covering every block up to the last qpos;
     at positions >= seq_len k may hold anything (masked) and v must be zero.
     Returns [S, Tq, Hq, D] in q's dtype."""
@@ -31,7 +31,7 @@ def _attend(q, qpos, seq_lens, k, v, scale):
     hkv = k.shape[2]
     g = Hq // hkv
     # [S, Hkv, G*Tq, D]: the G query heads sharing a KV head are stacked as rows.
-    qh = q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D).double()
+    qh = to64(q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D))
     m = torch.full((S, hkv, g * Tq, 1), NEG_INF, dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros((S, hkv, g * Tq, D), dtype=torch.float32, device=q.device)
@@ -40,14 +40,14 @@ def _attend(q, qpos, seq_lens, k, v, scale):
     for j in range(int(qpos.max()) // KV_BLOCK + 1):  # blocks from 0, in order
         sl = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
         kpos = j * KV_BLOCK + offsets
-        visible = (kpos[None, None, :] <= qpos_rows[:, :, None]) & (kpos[None, None, :] < seq_lens[:, None, None])
+        visible = kpos[None, None, :] <= qpos_rows[:, :, None]      # qpos < seq_len: in the sequence
         kb, vb = _heads_major64(k[:, sl]), _heads_major64(v[:, sl])
         s = matmul32(qh, kb.transpose(-1, -2)) * scale             # [S, Hkv, G*Tq, B]
         s = s.masked_fill(~visible[:, None], NEG_INF)
         # m only shifts the exponent: detach it so autograd sees the exact softmax.
         m_new = torch.maximum(m, s.detach().amax(-1, keepdim=True))
         a = exp32(m - m_new)
-        p = exp32(s - m_new)
+        p = to64(exp32(s - m_new))                                 # fp32 values, widened once
         l = l * a + sum32(p, -1, keepdim=True)
         acc = acc * a + matmul32(p, vb)
         m = m_new
@@ -84,7 +84,7 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     pos = torch.arange(width, device=q.device)
     seq_lens = torch.tensor(lens, device=q.device)
     qpos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)     # padded rows see a real prefix
-    out = _attend(qp, qpos, seq_lens, kp, vp, scale)
+    out = _attend(qp, qpos, kp, vp, scale)
     return _unpad_rows(out, lens)
 
 
@@ -125,5 +125,5 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
                     for c in (key_cache, value_cache))
     past_end = torch.arange(n_pages * page_size, device=q.device)[None, :] >= seq_lens[:, None]
     values.view(-1, *values.shape[2:]).index_fill_(0, past_end.flatten().nonzero().squeeze(1), 0)
-    out = _attend(qp, qpos, seq_lens, keys, values, scale)
+    out = _attend(qp, qpos, keys, values, scale)
     return _unpad_rows(out, lens)

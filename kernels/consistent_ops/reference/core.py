@@ -7,6 +7,8 @@ see the BLAS kernel's order, the batch shape or the thread count. Transcendental
 are evaluated in fp64 too because ATen's vectorised and scalar-tail fp32 paths
 return different bits for the same input (seen for silu/sigmoid/rsqrt on CPU).
 """
+import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -16,26 +18,31 @@ def to64(x: torch.Tensor) -> torch.Tensor:
     return x.double()
 
 
-# weight -> ((version, data_ptr), fp64 copy); entries die with their weight.
-_WIDE_WEIGHTS = WeakIdKeyDictionary()
+def kept(cache, tensors, make):
+    """make() (an fp64 copy derived from weight ``tensors``), kept in ``cache`` while each
+    tensor is the same object at the same version, under inference mode only.
+
+    At decode batch sizes, widening every weight on every call costs more than the
+    matmuls. Inference mode is the rollout engine's: there, weights change only in place
+    through ``load_weights``, which bumps the version counter (a write through ``.data``
+    would not). Elsewhere, e.g. in training, where autograd needs the conversion in its
+    graph and FSDP refills parameters without bumping versions, make() runs per call.
+    Costs 4x the bf16 weight memory."""
+    if not torch.is_inference_mode_enabled() or any(t.is_inference() for t in tensors):
+        return make()                                   # inference tensors have no version
+    state = [(t._version, t.data_ptr()) for t in tensors]
+    hit = cache.get(tensors[0])
+    if hit is None or hit[1] != state or not all(r() is t for r, t in zip(hit[0], tensors)):
+        hit = cache[tensors[0]] = ([weakref.ref(t) for t in tensors], state, make())
+    return hit[2]
+
+
+_WEIGHTS64 = WeakIdKeyDictionary()    # weight -> (weakrefs, versions, fp64 copy); dies with it
 
 
 def weight64(w: torch.Tensor) -> torch.Tensor:
-    """to64(w), kept per weight version under inference mode (the rollout engine's mode).
-
-    At decode batch sizes, widening every weight on every call costs more than the
-    matmuls. In the rollout, weights change only in place through ``load_weights``,
-    which bumps the version counter (a write through ``.data`` would not). Elsewhere,
-    e.g. in training, where autograd needs the conversion in its graph and FSDP refills
-    parameters without bumping versions, the weight is widened per call. Costs 4x the
-    bf16 weight memory."""
-    if not torch.is_inference_mode_enabled() or w.is_inference():   # inference tensors have no version
-        return to64(w)
-    key = (w._version, w.data_ptr())
-    hit = _WIDE_WEIGHTS.get(w)
-    if hit is None or hit[0] != key:
-        hit = _WIDE_WEIGHTS[w] = (key, to64(w))
-    return hit[1]
+    """to64(w), kept per weight version in the rollout (see ``kept``)."""
+    return kept(_WEIGHTS64, (w,), lambda: to64(w))
 
 
 def matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

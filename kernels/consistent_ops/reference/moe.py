@@ -1,7 +1,8 @@
 """MoE routing, per-(token, slot) expert contributions, slot-ordered combine."""
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from .core import exp32, sum32
+from .core import exp32, kept, matmul32, sum32, to64
 from .linear import linear
 from .pointwise import silu_mul
 
@@ -19,31 +20,46 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
     return ids, weights
 
 
+def _pairs_by_expert(ids, local):
+    """(token, slot) pair indices [L, n] of each local expert, ascending, padded to the
+    largest group n; valid [L, n] marks the real entries."""
+    hits = ids.reshape(1, -1) == torch.tensor(local, device=ids.device)[:, None]     # [L, T*k]
+    counts = hits.sum(1)
+    pairs = torch.sort(hits.to(torch.uint8), dim=1, descending=True, stable=True).indices
+    n = int(counts.max())
+    return pairs[:, :n], torch.arange(n, device=ids.device) < counts[:, None]
+
+
+_STACKS64 = WeakIdKeyDictionary()
+
+
+def _stacked64(weights):
+    """[(w_gate, w_up, w_down)] of the local experts -> fp64 [L, H, 2I] (gate columns, then
+    up) and [L, I, H], i.e. stacked and transposed for x @ w; kept per version in the rollout."""
+    def make():
+        gate_up = torch.stack([torch.cat(w[:2]) for w in weights]).transpose(1, 2)
+        return to64(gate_up), to64(torch.stack([w[2] for w in weights]).transpose(1, 2))
+    return kept(_STACKS64, tuple(t for w in weights for t in w), make)
+
+
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32: routing weight * expert(x) for the slots whose expert is
     local (zeros elsewhere), and owned [T, k]. experts[e] = (w_gate [I, H], w_up [I, H],
-    w_down [H, I]). Rows are computed with the row-invariant linear, so a contribution
-    has the same bits on whichever rank, and in whichever token group, it is computed."""
+    w_down [H, I]). All local experts run as one batched matmul over their (token, slot)
+    rows, padded to the largest group; every row is its own fp64 dot products rounded once
+    (as in ``linear``), so a contribution has the same bits on whichever rank, and in
+    whichever token group, it is computed."""
     t, k = ids.shape
-    local = set(range(len(experts)) if local_experts is None else local_experts)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)              # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=max(local, default=0) + 1).tolist()
-    picked, values, start = [], [], 0
-    for e, n in enumerate(counts):
-        sel, start = order[start:start + n], start + n
-        if n == 0 or e not in local:
-            continue
-        w_gate, w_up, w_down = experts[e]
-        xs = x[sel // k]
-        h = silu_mul(linear(xs, w_gate), linear(xs, w_up))
-        values.append(linear(h, w_down, out_dtype=torch.float32) * weights.reshape(-1)[sel].unsqueeze(-1))
-        picked.append(sel)
+    local = sorted(range(len(experts)) if local_experts is None else local_experts)
     contrib = torch.zeros(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
     owned = torch.zeros(t * k, dtype=torch.bool, device=x.device)
-    if picked:
-        sel = torch.cat(picked)
-        contrib = contrib.index_put((sel,), torch.cat(values))
+    if local and t:
+        pairs, valid = _pairs_by_expert(ids, local)
+        w_gate_up, w_down = _stacked64([experts[e] for e in local])
+        gate, up = matmul32(x[pairs // k], w_gate_up).to(x.dtype).chunk(2, -1)
+        out = matmul32(silu_mul(gate, up), w_down) * weights.reshape(-1)[pairs].unsqueeze(-1)
+        sel = pairs[valid]
+        contrib = contrib.index_put((sel,), out[valid])
         owned[sel] = True
     return contrib.view(t, k, -1), owned.view(t, k)
 
