@@ -85,9 +85,12 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x):
         w = self.weight.to(x.dtype)
-        if not self.tp.sharded:
+        if self.tp.sharded:
+            total = parallel.gather_ordered_sum(co.row_parallel_partial(x, w), self.tp.group)
+        elif self.tp.size == 1:   # the one shard is the parameter itself (the reference backend keeps
+            total = co.row_parallel_partial(x, w)   # its fp64 copy per tensor; a split view is per call)
+        else:
             return co.row_parallel_linear(x, w, self.tp.size, self.bias)
-        total = parallel.gather_ordered_sum(co.row_parallel_partial(x, w), self.tp.group)
         return co.finish_row_parallel(total, self.bias, x.dtype)
 
     def weight_loader(self, param, full):
