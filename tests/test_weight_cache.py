@@ -49,3 +49,36 @@ def test_linear_bits_with_and_without_the_copy():
     ref = co.linear(x, w)
     with torch.inference_mode():
         assert torch.equal(co.linear(x, w), ref) and torch.equal(co.linear(x, w), ref)
+
+
+def test_fsdp2_refills_parameters_without_a_version_bump(tmp_path):
+    """Why every weight cache here lives under inference mode only (reference ``kept``, the
+    Triton expert stacks): in training, FSDP2 hands the forward the same unsharded parameter
+    object, refilled in place with the new weights but at the same version."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.seen = torch.nn.Parameter(torch.randn(8, 8)), []
+
+        def forward(self, x):
+            self.seen.append((self.weight, self.weight._version, self.weight.detach().clone()))
+            return x @ self.weight.t()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        probe = Probe()
+        model = torch.nn.Sequential(probe, torch.nn.Linear(8, 8))
+        fully_shard(probe)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(2):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        (w1, v1, d1), (w2, v2, d2) = probe.seen
+        assert w1 is w2 and v1 == v2 and not torch.equal(d1, d2)
+    finally:
+        dist.destroy_process_group()

@@ -227,3 +227,20 @@ def test_moe_gradients(moe):
 
     for mine, ref in zip(run(T), run(R)):
         assert rel(mine, ref) < 2e-2
+
+
+def test_expert_stacks_cached_in_inference_mode_only():
+    """The grouped kernels' stacked expert weights: cached in the rollout (inference mode,
+    restacked after an in-place load), stacked per call in training, where FSDP2 refills
+    parameters without a version bump (test_weight_cache.py)."""
+    from consistent_ops.triton import moe as M
+    flat = [torch.randn(4, 3) for _ in range(6)]              # 2 experts x (gate, up, down)
+    first = M._stacked(flat, 2)
+    flat[0].data.mul_(2)                                       # FSDP2-style refill: no version bump
+    assert torch.equal(M._stacked(flat, 2)[0][0], flat[0]) and not torch.equal(first[0][0], flat[0])
+    with torch.inference_mode():
+        cached = M._stacked(flat, 2)
+        assert M._stacked(flat, 2)[0] is cached[0]
+        with torch.no_grad():
+            flat[4].mul_(-1)                                   # a weight load: bumps the version
+        assert torch.equal(M._stacked(flat, 2)[2][0], flat[4])

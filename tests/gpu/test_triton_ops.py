@@ -197,13 +197,15 @@ def test_moe_rows_across_tile_configs(moe):
 
 
 def test_moe_stack_cache_follows_in_place_updates(moe):
-    """The stacked-weight cache: hit while unchanged, restacked after an in-place update."""
+    """The stacked-weight cache (rollout: inference mode): hit while unchanged, restacked
+    after an in-place update (a weight load)."""
     x, gate, experts = moe
     ex = {e: tuple(t.clone() for t in ws) for e, ws in experts.items()}
     ids, w = co.moe_route(x[:64], gate, TOPK)
-    a = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
-    assert torch.equal(co.moe_expert_contributions(x[:64], ids, w, ex)[0], a)
-    ex[int(ids[0, 0])][0].mul_(2)                      # e.g. an optimizer step
-    b = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
+    with torch.inference_mode():
+        a = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
+        assert torch.equal(co.moe_expert_contributions(x[:64], ids, w, ex)[0], a)
+        ex[int(ids[0, 0])][0].mul_(2)
+        b = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
     fresh = {e: tuple(t.clone() for t in ws) for e, ws in ex.items()}
     assert not torch.equal(a, b) and torch.equal(b, co.moe_expert_contributions(x[:64], ids, w, fresh)[0])

@@ -11,10 +11,13 @@ decode steps route and compute alike. The tile table is built on the device: no 
 Slots whose expert is not local get zero tiles (the down kernel stores zeros there), so
 the contribution buffer is never zero-filled separately.
 
-The model keeps per-expert parameters; the grouped kernels want them stacked. The
-stacked copies are cached, keyed on the tensors' identity (weak references) and
-version counters, so an in-place update (optimizer step, weight load) restacks; under
-autograd the stack is one Function whose backward hands each expert its slice.
+The model keeps per-expert parameters; the grouped kernels want them stacked. Under
+inference mode (the rollout engine) the stacked copies are cached, keyed on the tensors'
+identity (weak references) and version counters, so an in-place weight load restacks.
+Elsewhere (training) they are stacked per call: FSDP2 refills its unsharded parameters in
+place without bumping their versions (tests/test_weight_cache.py), so a cached stack
+would go stale after an optimizer step. Under autograd the stack is one Function whose
+backward hands each expert its slice.
 """
 import operator
 import weakref
@@ -259,10 +262,17 @@ _VERSION = operator.attrgetter("_version")
 _DEREF = weakref.ref.__call__
 
 
+def _stack3(flat, n):
+    with torch.no_grad():
+        return tuple(torch.stack(flat[i * n:(i + 1) * n]) for i in range(3))
+
+
 def _stacked(flat, n):
-    """torch.stack of flat[0:n], flat[n:2n], flat[2n:3n], cached while every tensor is the
-    same object at the same version (weak references: a freed tensor's id cannot alias).
-    The checks are C-level maps: a few tens of microseconds for 384 tensors."""
+    """torch.stack of flat[0:n], flat[n:2n], flat[2n:3n]; under inference mode cached while
+    every tensor is the same object at the same version (weak references: a freed tensor's
+    id cannot alias). The checks are C-level maps: a few tens of microseconds for 384 tensors."""
+    if not torch.is_inference_mode_enabled() or flat[0].is_inference():   # see the module doc
+        return _stack3(flat, n)
     key = (id(flat[0]), n)
     hit = _STACKS.get(key)
     if hit is not None:
@@ -270,8 +280,7 @@ def _stacked(flat, n):
         if all(map(operator.is_, map(_DEREF, refs), flat)) and versions == list(map(_VERSION, flat)):
             return stacks
         del _STACKS[key]
-    with torch.no_grad():
-        stacks = tuple(torch.stack(flat[i * n:(i + 1) * n]) for i in range(3))
+    stacks = _stack3(flat, n)
     nbytes = sum(s.numel() * s.element_size() for s in stacks)
     for k in [k for k, v in _STACKS.items() if any(r() is None for r in v[0])]:
         del _STACKS[k]                              # entries of freed tensors
