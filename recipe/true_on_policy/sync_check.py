@@ -1,12 +1,12 @@
 """Debug mode: every trainer -> rollout weight sync is checksummed on both sides.
 
-With ``TRUE_ON_POLICY_CHECK_SYNC=1`` (the recipe sets it from
-``true_on_policy.check_sync``) the trainer side digests each tensor it sends (name, dtype,
-shape, bytes) between two extra items that open and close the stream (``SYNC_START``,
-then ``SYNC_ITEM`` carrying the table); the rollout side digests what it receives in
-between, and on the closing item compares the two tables and checks that the sync covered every parameter it holds. Any difference stops
-the sync with the names that differ, so a rollout never samples from weights the
-trainer does not have. Off by default: hashing every tensor costs a copy to host.
+With ``TRUE_ON_POLICY_CHECK_SYNC=1`` (the recipe sets it from ``true_on_policy.check_sync``)
+the trainer side digests each tensor it sends (name, dtype, shape, bytes) between two extra
+items that open and close the stream (``SYNC_START``, then ``SYNC_ITEM`` carrying the table);
+the rollout side digests what it receives in between, and on the closing item compares the
+two tables and checks that the sync covered every parameter it holds. Any difference stops
+the sync with the names that differ, so a rollout never samples from weights the trainer
+does not have. Off by default: hashing every tensor costs a copy to host.
 """
 import hashlib
 import json
