@@ -26,7 +26,8 @@ setup(
         "true_on_policy": "recipe/true_on_policy",
         "true_on_policy.configs": "configs",
     },
-    package_data={"true_on_policy.configs": ["*.yaml", "preset/*.yaml"]},
+    # dot64.c is compiled on first use (consistent_ops/reference/native.py).
+    package_data={"true_on_policy.configs": ["*.yaml", "preset/*.yaml"], "consistent_ops.reference": ["*.c"]},
     install_requires=["torch", "safetensors"],
     entry_points={
         # Inert unless TRUE_ON_POLICY=1 (see true_on_policy/vllm/plugin.py).

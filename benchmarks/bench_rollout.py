@@ -93,7 +93,7 @@ def _report_profile(prof):
     if prof is not None:
         import pstats
         prof.disable()
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats(os.environ.get("BENCH_SORT", "tottime")).print_stats(int(os.environ.get("BENCH_ROWS", "25")))
 
 
 # ----------------------------------------------------------------------------- parent

@@ -62,12 +62,17 @@ COMMON = {
 }
 
 # How each backend realises contract_dot and reductions. The reference backend
-# accumulates in fp64: products of bf16/fp32 inputs are exact in fp64, and its
-# summation error (< K * 2^-53 relative) sits ~2^29 below one fp32 ulp, so the
-# single rounding to fp32 does not see the BLAS's order, batch size or threads.
+# accumulates in fp64: products of bf16/fp32 inputs are exact in fp64. On CPU tensors
+# (both engines of a CPU run) one native kernel (reference/dot64.c) fixes the order of the
+# sum itself, so no BLAS order, batch shape, layout or thread count can reach the bits;
+# on other devices fp64 BLAS sums in its own order, which gives the same bits whenever
+# the fp64 sum is exact (bf16 products: 16 significant bits each).
 ACCUMULATION = {
     "reference": {
-        "contract_dot": "fp64 products and sums (any order), rounded once to fp32",
+        "contract_dot": (
+            "fp64 products; CPU: k in 4 fp64 lanes (lane j: k = j, j+4, ... ascending), "
+            "result (lane0 + lane1) + (lane2 + lane3), no FMA, one thread per output; "
+            "other devices: fp64 BLAS; rounded once to fp32"),
         "reductions": "fp64, rounded once to fp32",
         "tp_partial_dtype": "float64",
     },

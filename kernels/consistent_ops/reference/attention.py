@@ -2,54 +2,92 @@
 
 ``attention_varlen`` (packed training batches, prefill without cache) and
 ``attention_paged`` (any number of new tokens per sequence against a paged KV
-cache) differ only in how they lay K/V out per sequence (zero-padding vs a gather
-from the pages); both run ``_attend``, so a token gets the same bits whether it was
-trained, prefilled, chunk-prefilled or decoded.
+cache) differ only in how K/V blocks are addressed (a zero-padded per-sequence layout
+vs the pages themselves, read in place through the block table); both run ``_attend``
+and the same contraction kernel, so a token gets the same bits whether it was trained,
+prefilled, chunk-prefilled or decoded.
 """
 import math
 
 import torch
 
 from ..contract import KV_BLOCK
-from .core import exp32, matmul32, sum32, to64
+from . import native
+from .core import exp32, matmul32, sum32
 
 NEG_INF = float("-inf")
 
 
-def _heads_major64(x):
-    """[S, L, H, D] -> contiguous fp64 [S, H, L, D] (exact), in one copy, so every KV block
-    below is a plain strided view that the batched matmul reads without copying."""
-    return x.transpose(1, 2).to(torch.float64, memory_format=torch.contiguous_format)
+def _blk(j):
+    return slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
 
 
-def _attend(q, qpos, k, v, scale):
-    """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions (< seq_len);
-    k, v [S, L, Hkv, D] from position 0, L covering every block up to the last qpos;
-    at positions >= seq_len k may hold anything (masked) and v must be zero.
-    Returns [S, Tq, Hq, D] in q's dtype."""
+class _DenseKV:
+    """K/V laid out per sequence from position 0, [S, L, Hkv, D]; V is zero past the end."""
+
+    def __init__(self, k, v):
+        self.hkv = k.shape[2]
+        self.kh, self.vh = k.transpose(1, 2), v.transpose(1, 2)        # [S, Hkv, L, D] views
+
+    def scores(self, qh, j):
+        return matmul32(qh, self.kh[:, :, _blk(j)].transpose(-1, -2))
+
+    def values(self, p, j):
+        return matmul32(p, self.vh[:, :, _blk(j)])
+
+
+class _PagedKV:
+    """K/V read in place from a paged CPU cache [pages, page_size, Hkv, D]: the native
+    contraction addresses each block's rows through the block table (the same kernel, the
+    same order as _DenseKV; only the addressing differs), so nothing is gathered or copied.
+    Positions past a sequence's end read as zero V (klen), as in the padded layout."""
+
+    def __init__(self, key_cache, value_cache, table, seq_lens, walked):
+        if key_cache.stride() != value_cache.stride():
+            raise ValueError("attention_paged: key and value caches must share one layout")
+        self.k, self.v, self.seq_lens, self.hkv = key_cache, value_cache, seq_lens, key_cache.shape[2]
+        page_size, sp, st, sh, self.sd = key_cache.shape[1], *key_cache.stride()
+        pos = torch.arange(walked)
+        # Columns past a sequence's last page repeat it (masked keys; V reads as zero there).
+        page = torch.minimum(pos[None, :] // page_size, (seq_lens[:, None] - 1) // page_size)
+        self.token = (torch.gather(table, 1, page) * sp + (pos % page_size) * st)[:, None, :]  # [S, 1, L]
+        self.heads = torch.arange(self.hkv)[None, :, None] * sh                                # [1, Hkv, 1]
+        self.dims = self.heads + torch.arange(key_cache.shape[3]) * self.sd                     # [1, Hkv, D]
+
+    def scores(self, qh, j):
+        return native.dot64_gathered(qh, self.k, self.token[..., _blk(j)] + self.heads, sk=self.sd)
+
+    def values(self, p, j):
+        S, hkv = p.shape[:2]
+        klen = (self.seq_lens - j * KV_BLOCK).clamp(0, KV_BLOCK)[:, None].expand(S, hkv)
+        return native.dot64_gathered(p, self.v, self.dims.expand(S, -1, -1),
+                                     koff=self.token[..., _blk(j)].expand(-1, hkv, -1), klen=klen)
+
+
+def _attend(q, qpos, kv, scale):
+    """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions (< seq_len); kv a _DenseKV or
+    _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype."""
     S, Tq, Hq, D = q.shape
-    hkv = k.shape[2]
+    hkv = kv.hkv
     g = Hq // hkv
     # [S, Hkv, G*Tq, D]: the G query heads sharing a KV head are stacked as rows.
-    qh = to64(q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D))
+    qh = q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D)
     m = torch.full((S, hkv, g * Tq, 1), NEG_INF, dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros((S, hkv, g * Tq, D), dtype=torch.float32, device=q.device)
     qpos_rows = qpos.repeat(1, g)                                   # [S, G*Tq]
     offsets = torch.arange(KV_BLOCK, device=q.device)
     for j in range(int(qpos.max()) // KV_BLOCK + 1):  # blocks from 0, in order
-        sl = slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
         kpos = j * KV_BLOCK + offsets
         visible = kpos[None, None, :] <= qpos_rows[:, :, None]      # qpos < seq_len: in the sequence
-        kb, vb = _heads_major64(k[:, sl]), _heads_major64(v[:, sl])
-        s = matmul32(qh, kb.transpose(-1, -2)) * scale             # [S, Hkv, G*Tq, B]
+        s = kv.scores(qh, j) * scale                                 # [S, Hkv, G*Tq, B]
         s = s.masked_fill(~visible[:, None], NEG_INF)
         # m only shifts the exponent: detach it so autograd sees the exact softmax.
         m_new = torch.maximum(m, s.detach().amax(-1, keepdim=True))
         a = exp32(m - m_new)
-        p = to64(exp32(s - m_new))                                 # fp32 values, widened once
+        p = exp32(s - m_new)
         l = l * a + sum32(p, -1, keepdim=True)
-        acc = acc * a + matmul32(p, vb)
+        acc = acc * a + kv.values(p, j)
         m = m_new
     out = (acc / l).reshape(S, hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D)
     return out.to(q.dtype)
@@ -88,7 +126,7 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     pos = torch.arange(width, device=q.device)
     seq_lens = torch.tensor(lens, device=q.device)
     qpos = torch.minimum(pos[None, :], seq_lens[:, None] - 1)     # padded rows see a real prefix
-    out = _attend(qp, qpos, kp, vp, scale)
+    out = _attend(qp, qpos, _DenseKV(kp, vp), scale)
     return _unpad_rows(out, lens)
 
 
@@ -107,7 +145,6 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     seq_lens [S] include this step's tokens; query_start_loc [S+1]."""
     _check_heads(q.shape[1], key_cache.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    page_size = key_cache.shape[1]
     bounds = query_start_loc.tolist()
     starts, lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     width = max(lens)
@@ -117,17 +154,25 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
     qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
     table = block_table.to(device=q.device, dtype=torch.long)
-    # One gather of the whole pages that hold every block this call walks (a page is one
-    # strided copy; single slots are not). Columns past a sequence's last page repeat it.
-    # Positions past seq_len are masked in _attend; their V rows are zeroed here, as in
-    # the padded varlen layout (stale cache rows may hold NaN, and 0 * NaN is NaN).
     walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
+    if q.device.type == "cpu" and key_cache.dtype in native.DTYPES:
+        kv = _PagedKV(key_cache, value_cache, table, seq_lens, walked)
+    else:
+        kv = _gathered_kv(key_cache, value_cache, table, seq_lens, walked)
+    return _unpad_rows(_attend(qp, qpos, kv, scale), lens)
+
+
+def _gathered_kv(key_cache, value_cache, table, seq_lens, walked):
+    """_DenseKV from one gather of the whole pages that hold every block walked (a page is
+    one strided copy; single slots are not); for devices without the native kernel.
+    Columns past a sequence's last page repeat it; V rows past seq_len are zeroed, as in
+    the padded varlen layout (stale cache rows may hold NaN, and 0 * NaN is NaN)."""
+    page_size, device = key_cache.shape[1], key_cache.device
     n_pages = -(-walked // page_size)
     last_page = (seq_lens[:, None] - 1) // page_size
-    pages = torch.gather(table, 1, torch.minimum(torch.arange(n_pages, device=q.device)[None, :], last_page))
-    keys, values = (c.index_select(0, pages.flatten()).view(len(lens), n_pages * page_size, *c.shape[2:])
+    pages = torch.gather(table, 1, torch.minimum(torch.arange(n_pages, device=device)[None, :], last_page))
+    keys, values = (c.index_select(0, pages.flatten()).view(len(seq_lens), n_pages * page_size, *c.shape[2:])
                     for c in (key_cache, value_cache))
-    past_end = torch.arange(n_pages * page_size, device=q.device)[None, :] >= seq_lens[:, None]
+    past_end = torch.arange(n_pages * page_size, device=device)[None, :] >= seq_lens[:, None]
     values.view(-1, *values.shape[2:]).index_fill_(0, past_end.flatten().nonzero().squeeze(1), 0)
-    out = _attend(qp, qpos, keys, values, scale)
-    return _unpad_rows(out, lens)
+    return _DenseKV(keys, values)

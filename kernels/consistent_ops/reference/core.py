@@ -1,16 +1,19 @@
 """Contraction, reduction and transcendental primitives of the reference backend.
 
-Every rounding-sensitive step goes through here. Contractions and reductions are
-done in fp64 and rounded ONCE to fp32: fp64 products of bf16/fp32 inputs are
-exact, and the summation error is ~2^29 below an fp32 ulp, so the result does not
-see the BLAS kernel's order, the batch shape or the thread count. Transcendentals
-are evaluated in fp64 too because ATen's vectorised and scalar-tail fp32 paths
-return different bits for the same input (seen for silu/sigmoid/rsqrt on CPU).
+Every rounding-sensitive step goes through here. Contractions are fp64 products summed
+in fp64 and rounded ONCE to fp32; on CPU tensors the sum runs in the one fixed order of
+the native kernel (native.py, dot64.c), so a result never sees the batch shape, the
+operand layout or the thread count; elsewhere fp64 BLAS, whose order does not reach the
+bits while the fp64 sum is exact (bf16 products). Reductions are fp64 sums rounded once.
+Transcendentals are evaluated in fp64 too because ATen's vectorised and scalar-tail fp32
+paths return different bits for the same input (seen for silu/sigmoid/rsqrt on CPU).
 """
 import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from . import native
 
 
 def to64(x: torch.Tensor) -> torch.Tensor:
@@ -19,15 +22,15 @@ def to64(x: torch.Tensor) -> torch.Tensor:
 
 
 def kept(cache, tensors, make):
-    """make() (an fp64 copy derived from weight ``tensors``), kept in ``cache`` while each
-    tensor is the same object at the same version, under inference mode only.
+    """make() (a copy derived from weight ``tensors``: fp64, or stacked experts), kept in
+    ``cache`` while each tensor is the same object at the same version, under inference
+    mode only.
 
-    At decode batch sizes, widening every weight on every call costs more than the
+    At decode batch sizes, rebuilding such copies on every call costs more than the
     matmuls. Inference mode is the rollout engine's: there, weights change only in place
     through ``load_weights``, which bumps the version counter (a write through ``.data``
     would not). Elsewhere, e.g. in training, where autograd needs the conversion in its
-    graph and FSDP refills parameters without bumping versions, make() runs per call.
-    Costs 4x the bf16 weight memory."""
+    graph and FSDP refills parameters without bumping versions, make() runs per call."""
     if not torch.is_inference_mode_enabled() or any(t.is_inference() for t in tensors):
         return make()                                   # inference tensors have no version
     state = [(t._version, t.data_ptr()) for t in tensors]
@@ -45,9 +48,35 @@ def weight64(w: torch.Tensor) -> torch.Tensor:
     return kept(_WEIGHTS64, (w,), lambda: to64(w))
 
 
+class _Dot64(torch.autograd.Function):
+    """Forward: native.dot64_matmul (the contract's order); backward: fp64 matmuls, as
+    autograd would give for torch.matmul(to64(a), to64(b)).float()."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return native.dot64_matmul(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        g = grad.double()
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = (g @ to64(b).transpose(-1, -2)).sum_to_size(a.shape).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            gb = (to64(a).transpose(-1, -2) @ g).sum_to_size(b.shape).to(b.dtype)
+        return ga, gb
+
+
 def matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with fp64 accumulation, rounded once to fp32."""
-    return torch.matmul(to64(a), to64(b)).float()
+    """a @ b with fp64 accumulation, rounded once to fp32: on CPU the native kernel's fixed
+    order (dot64.c); elsewhere fp64 BLAS (the same bits whenever the fp64 sum is exact)."""
+    if a.device.type != "cpu":
+        return torch.matmul(to64(a), to64(b)).float()
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _Dot64.apply(a, b)
+    return native.dot64_matmul(a, b)
 
 
 def sum32(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:

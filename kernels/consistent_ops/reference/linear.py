@@ -7,7 +7,7 @@ from .core import matmul32, to64, weight64
 def linear(x, weight, bias=None, out_dtype=None):
     """x [..., K] @ weight[N, K].T: each output is one fp64 dot product rounded once,
     so a row's bits never depend on the other rows in the call or the thread count."""
-    out = matmul32(x, weight64(weight).t())
+    out = matmul32(x, weight.t())
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype)

@@ -2,7 +2,7 @@
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .core import exp32, kept, matmul32, sum32, to64
+from .core import exp32, kept, matmul32, sum32
 from .linear import linear
 from .pointwise import silu_mul
 
@@ -30,23 +30,23 @@ def _pairs_by_expert(ids, local):
     return pairs[:, :n], torch.arange(n, device=ids.device) < counts[:, None]
 
 
-_STACKS64 = WeakIdKeyDictionary()
+_STACKS = WeakIdKeyDictionary()
 
 
-def _stacked64(weights):
-    """[(w_gate, w_up, w_down)] of the local experts -> fp64 [L, H, 2I] (gate columns, then
-    up) and [L, I, H], i.e. stacked and transposed for x @ w; kept per version in the rollout."""
+def _stacked(weights):
+    """[(w_gate, w_up, w_down)] of the local experts -> [L, H, 2I] (gate columns, then up)
+    and [L, I, H], i.e. stacked and transposed for x @ w; kept per version in the rollout."""
     def make():
         gate_up = torch.stack([torch.cat(w[:2]) for w in weights]).transpose(1, 2)
-        return to64(gate_up), to64(torch.stack([w[2] for w in weights]).transpose(1, 2))
-    return kept(_STACKS64, tuple(t for w in weights for t in w), make)
+        return gate_up, torch.stack([w[2] for w in weights]).transpose(1, 2)
+    return kept(_STACKS, tuple(t for w in weights for t in w), make)
 
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32: routing weight * expert(x) for the slots whose expert is
     local (zeros elsewhere), and owned [T, k]. experts[e] = (w_gate [I, H], w_up [I, H],
     w_down [H, I]). All local experts run as one batched matmul over their (token, slot)
-    rows, padded to the largest group; every row is its own fp64 dot products rounded once
+    rows, padded to the largest group; every row is its own contract dot products rounded once
     (as in ``linear``), so a contribution has the same bits on whichever rank, and in
     whichever token group, it is computed."""
     t, k = ids.shape
@@ -55,7 +55,7 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     owned = torch.zeros(t * k, dtype=torch.bool, device=x.device)
     if local and t:
         pairs, valid = _pairs_by_expert(ids, local)
-        w_gate_up, w_down = _stacked64([experts[e] for e in local])
+        w_gate_up, w_down = _stacked([experts[e] for e in local])
         gate, up = matmul32(x[pairs // k], w_gate_up).to(x.dtype).chunk(2, -1)
         out = matmul32(silu_mul(gate, up), w_down) * weights.reshape(-1)[pairs].unsqueeze(-1)
         sel = pairs[valid]

@@ -1,0 +1,210 @@
+/* contract_dot on the CPU: out = fp32(sum_k a[k] * b[k]) with fp64 accumulation in one
+ * fixed order, read straight from bf16 / fp32 / fp64 operands of any strides.
+ *
+ * Order (the contract's, see contract.py ACCUMULATION["reference"]): k is split into four
+ * fp64 lanes, lane j holding k = j, j+4, j+8, ... summed in ascending k (products and sums
+ * are separate IEEE operations: built with -ffp-contract=off, no FMA); the result is
+ * (lane0 + lane1) + (lane2 + lane3), rounded once to fp32. Every output is computed alone
+ * from its own row and column, on one thread, so it never depends on M, N, the batch, the
+ * strides, how operands are addressed, the ISA the vector code runs on, or the thread count.
+ *
+ * Why not torch.matmul on fp64 copies (the previous realisation): widening every operand to
+ * fp64 in memory made the rollout's decode step bound by fp64 traffic (KV blocks and weights
+ * re-widened each step); here operands are widened in cache-sized buffers.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef double v4d __attribute__((vector_size(32)));
+
+enum { F64 = 0, F32 = 1, BF16 = 2 };
+
+static const int64_t ELEM[] = {8, 4, 2};
+
+enum { BBUF_DOUBLES = 8192 };   /* B rows widened at a time: 64 KiB */
+enum { ABUF_DOUBLES = 16384 };  /* A rows widened at a time: 128 KiB */
+
+static inline double bf16_to_double(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* n elements at stride s (in elements) -> fp64 dst. The s == 1 loops vectorise. */
+static void widen(const char *src, int dt, int64_t n, int64_t s, double *dst) {
+    int64_t i;
+    if (dt == F64) {
+        const double *p = (const double *)src;
+        if (s == 1) memcpy(dst, p, (size_t)n * sizeof(double));
+        else for (i = 0; i < n; i++) dst[i] = p[i * s];
+    } else if (dt == F32) {
+        const float *p = (const float *)src;
+        if (s == 1) for (i = 0; i < n; i++) dst[i] = p[i];
+        else for (i = 0; i < n; i++) dst[i] = p[i * s];
+    } else {
+        const uint16_t *p = (const uint16_t *)src;
+        if (s == 1) for (i = 0; i < n; i++) dst[i] = bf16_to_double(p[i]);
+        else for (i = 0; i < n; i++) dst[i] = bf16_to_double(p[i * s]);
+    }
+}
+
+/* Where B's elements live for one batch entry: element (n, k) at base + row(n) + col(k)
+ * (in elements), row = noff ? noff[n] : n * sn, col = koff ? koff[k] : k * sk; k >= klen
+ * reads as 0 (keys past a sequence's end, as zero as in the trainer's padded layout).
+ * Offset arrays let attention read K/V blocks in place from a paged cache. */
+typedef struct {
+    const char *base;
+    int dt;
+    int64_t sn, sk, klen;
+    const int64_t *noff, *koff;
+} Bview;
+
+/* Rows of a paged cache are scattered: ask for the row PREFETCH ahead while widening this
+ * one (a cold decode step was latency-bound without it). Hints only; bits are unaffected. */
+enum { PREFETCH = 8 };
+
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+static inline int64_t brow(const Bview *v, int64_t n) { return v->noff ? v->noff[n] : n * v->sn; }
+static inline int64_t bcol(const Bview *v, int64_t k) { return v->koff ? v->koff[k] : k * v->sk; }
+
+static inline v4d load4(const double *p) {
+    v4d v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float finish(v4d lanes) { return (float)((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])); }
+
+/* Two loop nests, one arithmetic. For every output, lane t accumulates a[k] * b[k] over
+ * k = t, t+4, ... in ascending k, then (lane0 + lane1) + (lane2 + lane3) is rounded once.
+ * "rows" form: B widened as rows n of length kp, a vector holds 4 lanes of one output.
+ * "cols" form: B widened as rows k of length ldb, a vector holds one lane of 4 outputs.
+ * Which form runs depends only on how B is laid out in memory (k contiguous or not), so
+ * e.g. attention's p @ V runs the cols form for the trainer's padded V and the rollout's
+ * paged V alike; the bits are the same in either form. */
+static void block_rows(const double *abuf, int64_t mr, const double *bbuf, int64_t nr, int64_t left,
+                       int64_t kp, float *out, int64_t ldo) {
+    for (int64_t j0 = 0; j0 < nr; j0 += 4) {
+        const double *b0 = bbuf + j0 * kp, *b1 = b0 + kp, *b2 = b1 + kp, *b3 = b2 + kp;
+        for (int64_t i = 0; i < mr; i++) {
+            const double *a = abuf + i * kp;
+            v4d c0 = {0, 0, 0, 0}, c1 = c0, c2 = c0, c3 = c0;
+            for (int64_t k = 0; k < kp; k += 4) {
+                const v4d av = load4(a + k);
+                c0 += av * load4(b0 + k);
+                c1 += av * load4(b1 + k);
+                c2 += av * load4(b2 + k);
+                c3 += av * load4(b3 + k);
+            }
+            float *o = out + i * ldo + j0;
+            o[0] = finish(c0);
+            if (left - j0 > 1) o[1] = finish(c1);
+            if (left - j0 > 2) o[2] = finish(c2);
+            if (left - j0 > 3) o[3] = finish(c3);
+        }
+    }
+}
+
+static void block_cols(const double *abuf, int64_t mr, const double *bbuf, int64_t ldb, int64_t nr,
+                       int64_t left, int64_t kp, float *out, int64_t ldo) {
+    for (int64_t j0 = 0; j0 < nr; j0 += 4) {
+        for (int64_t i = 0; i < mr; i++) {
+            const double *a = abuf + i * kp, *b = bbuf + j0;
+            v4d l0 = {0, 0, 0, 0}, l1 = l0, l2 = l0, l3 = l0;
+            for (int64_t k = 0; k < kp; k += 4, b += 4 * ldb) {
+                l0 += a[k] * load4(b);
+                l1 += a[k + 1] * load4(b + ldb);
+                l2 += a[k + 2] * load4(b + 2 * ldb);
+                l3 += a[k + 3] * load4(b + 3 * ldb);
+            }
+            const v4d total = (l0 + l1) + (l2 + l3);
+            float *o = out + i * ldo + j0;
+            for (int64_t t = 0; t < 4 && t < left - j0; t++) o[t] = (float)total[t];
+        }
+    }
+}
+
+/* B rows n0 .. n0+nr-1, zero past klen and up to kp (0 * 0 adds nothing), into bbuf: in the
+ * rows form when B is contiguous in k (weights, K blocks), else in the cols form with each
+ * k's run of n read in order (V blocks: a position's head dims are contiguous). Returns the
+ * cols form's row length (0 for the rows form). */
+static int64_t widen_b(const Bview *v, int64_t n0, int64_t nr, int64_t K, int64_t kp, double *dst) {
+    const int64_t len = v->klen < K ? v->klen : K, e = ELEM[v->dt];
+    const int64_t padded = (nr + 3) & ~(int64_t)3;
+    if (!v->koff && v->sk == 1) {
+        for (int64_t j = 0; j < padded; j++) {
+            if (j + PREFETCH < nr) prefetch(v->base + brow(v, n0 + j + PREFETCH) * e, len * e);
+            if (j < nr) widen(v->base + brow(v, n0 + j) * e, v->dt, len, 1, dst + j * kp);
+            memset(dst + j * kp + (j < nr ? len : 0), 0, (size_t)(kp - (j < nr ? len : 0)) * sizeof(double));
+        }
+        return 0;
+    }
+    int64_t rows[nr];
+    for (int64_t j = 0; j < nr; j++) rows[j] = brow(v, n0 + j);
+    const int64_t step = nr > 1 ? rows[1] - rows[0] : 1;
+    int regular = 1;                                   /* evenly spaced: one strided run per k */
+    for (int64_t j = 1; j < nr && regular; j++) regular = rows[j] - rows[0] == j * step;
+    for (int64_t k = 0; k < kp; k++) {
+        double *d = dst + k * padded;
+        if (k < len) {
+            const int64_t c = bcol(v, k);
+            if (regular && k + PREFETCH < len)
+                prefetch(v->base + (bcol(v, k + PREFETCH) + rows[0]) * e, (nr - 1) * step * e + e);
+            if (regular) widen(v->base + (c + rows[0]) * e, v->dt, nr, step, d);
+            else for (int64_t j = 0; j < nr; j++) widen(v->base + (c + rows[j]) * e, v->dt, 1, 1, d + j);
+            for (int64_t j = nr; j < padded; j++) d[j] = 0.0;
+        } else {
+            memset(d, 0, (size_t)padded * sizeof(double));
+        }
+    }
+    return padded;
+}
+
+/* out[b, m, n] = contract_dot(A[b, m, :], B[b, n, :]) for every entry b of a batch of
+ * shape {nb0, nb1, nb2}; shape = {nb0, nb1, nb2, M, N, K}; sa = A strides {b0, b1, b2, m, k};
+ * sb = B strides {b0, b1, b2, n, k} (elements); out contiguous fp32 [nb0, nb1, nb2, M, N].
+ * Gathered B (see Bview): noff [nb, N] and/or koff [nb, K] replace B's n / k strides, klen
+ * [nb] bounds k (each may be NULL; nb = nb0 * nb1 * nb2, entries in row-major batch order).
+ * Returns 0, or -1 when out of memory. */
+int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
+          const char *B, int tb, const int64_t *sb,
+          const int64_t *noff, const int64_t *koff, const int64_t *klen, float *out) {
+    const int64_t M = shape[3], N = shape[4], K = shape[5];
+    const int64_t ea = ELEM[ta], eb = ELEM[tb];
+    const int64_t kp = (K + 3) & ~(int64_t)3;
+    const int64_t mb = kp && ABUF_DOUBLES / kp > 0 ? (ABUF_DOUBLES / kp < M ? ABUF_DOUBLES / kp : M) : 1;
+    int64_t nb = kp ? (BBUF_DOUBLES / kp) & ~(int64_t)3 : 4;
+    if (nb < 4) nb = 4;
+    double *abuf = aligned_alloc(32, (size_t)((mb + nb) * kp + 4) * sizeof(double));
+    if (!abuf) return -1;
+    double *bbuf = abuf + mb * kp;
+    int64_t b = 0;
+    for (int64_t b0 = 0; b0 < shape[0]; b0++)
+    for (int64_t b1 = 0; b1 < shape[1]; b1++)
+    for (int64_t b2 = 0; b2 < shape[2]; b2++, b++) {
+        const char *Ab = A + (b0 * sa[0] + b1 * sa[1] + b2 * sa[2]) * ea;
+        const Bview bv = {B + (b0 * sb[0] + b1 * sb[1] + b2 * sb[2]) * eb, tb, sb[3], sb[4],
+                          klen ? klen[b] : K, noff ? noff + b * N : NULL, koff ? koff + b * K : NULL};
+        float *ob = out + b * M * N;
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t mr = M - m0 < mb ? M - m0 : mb;
+            for (int64_t i = 0; i < mr; i++) {
+                widen(Ab + (m0 + i) * sa[3] * ea, ta, K, sa[4], abuf + i * kp);
+                for (int64_t k = K; k < kp; k++) abuf[i * kp + k] = 0.0;
+            }
+            for (int64_t n0 = 0; n0 < N; n0 += nb) {
+                const int64_t nr = N - n0 < nb ? N - n0 : nb, padded = (nr + 3) & ~(int64_t)3;
+                const int64_t ldb = widen_b(&bv, n0, nr, K, kp, bbuf);
+                if (ldb) block_cols(abuf, mr, bbuf, ldb, padded, N - n0, kp, ob + m0 * N + n0, N);
+                else block_rows(abuf, mr, bbuf, padded, N - n0, kp, ob + m0 * N + n0, N);
+            }
+        }
+    }
+    free(abuf);
+    return 0;
+}

@@ -1,0 +1,133 @@
+"""The reference backend's contraction on CPU tensors: dot64.c, built once per machine.
+
+The C source is compiled with the system C compiler on first use into
+``$CONSISTENT_OPS_CACHE`` (default ``~/.cache/consistent_ops``), keyed by the source, the
+flags and the CPU's feature flags, and loaded with ctypes in every process (vLLM workers
+too). The bits do not depend on the build: the kernel's order is explicit and
+floating-point contraction is off.
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("dot64.c")
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+DTYPES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
+_lock = threading.Lock()
+_lib = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + CFLAGS).encode()
+                         + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("CONSISTENT_OPS_CACHE", Path.home() / ".cache" / "consistent_ops"))
+    lib = cache / f"dot64-{key}.so"
+    if lib.is_file():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(
+                f"consistent_ops: building the reference backend's CPU kernel failed ({cc} "
+                f"{' '.join(CFLAGS)} {SOURCE}):\n{done.stderr.strip()}\nInstall a C compiler "
+                f"(e.g. apt install gcc) or point $CC at one.")
+        os.replace(tmp, lib)         # atomic: concurrent builders (vLLM workers) all succeed
+    except FileNotFoundError:
+        raise RuntimeError(f"consistent_ops: no C compiler {cc!r} for the reference backend's CPU "
+                           f"kernel; install one (e.g. apt install gcc) or set $CC") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def library():
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(str(_build()))
+            p = ctypes.c_void_p
+            lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p, p, p]
+            lib.dot64.restype = ctypes.c_int
+            _lib = lib
+    return _lib
+
+
+def _int64s(values):
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _operand(x):
+    return x if x.dtype in DTYPES else x.float()      # e.g. fp16: widening to fp32 is exact
+
+
+def dot64_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] (batch dims broadcast) -> fp32, each output one
+    contract_dot of dot64.c. CPU tensors; no autograd (core.matmul32 wraps it)."""
+    a, b = _operand(a), _operand(b)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if b.dim() == 2 and a.dim() > 2:                    # a shared matrix: fold a's batch into M
+        return dot64_matmul(a.reshape(-1, k), b).reshape(*a.shape[:-1], n)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    out = torch.empty(*batch, m, n, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    a, b = a.expand(*batch, m, k), b.expand(*batch, k, n)
+    if len(batch) > 3:
+        a, b = a.reshape(-1, m, k), b.reshape(-1, k, n)
+    pad = 3 - (a.dim() - 2)
+    shape = [1] * pad + list(a.shape[:-2]) + [m, n, k]
+    sb = [0] * pad + list(b.stride()[:-2]) + [b.stride(-1), b.stride(-2)]   # b0 b1 b2 n k
+    return _call(shape, a, [0] * pad + list(a.stride()), b, sb, None, None, None, out)
+
+
+def dot64_gathered(a, base, noff, *, koff=None, sk=0, klen=None):
+    """out [S, H, M, N] fp32, out[s, h, m, n] = contract_dot(a[s, h, m, :], B[s, h, n, :]) where
+    B's element (n, k) is base's element noff[s, h, n] + koff[s, h, k] (k * sk when koff is
+    None; offsets count elements from base's first element) and reads as 0
+    for k >= klen[s, h]. a [S, H, M, K]; noff [S, H, N], koff [S, H, K], klen [S, H] int64.
+    Lets attention read K/V blocks in place from a paged cache (no gather, no autograd)."""
+    S, H, m, k = a.shape
+    a, n = _operand(a), noff.shape[-1]
+    noff, koff, klen = (None if t is None else t.to(torch.int64).contiguous() for t in (noff, koff, klen))
+    lo = int(noff.min()) + (int(koff.min()) if koff is not None else 0)
+    hi = int(noff.max()) + (int(koff.max()) if koff is not None else (k - 1) * sk)
+    room = base.untyped_storage().nbytes() // base.element_size() - base.storage_offset()
+    if lo < -base.storage_offset() or hi >= room:
+        raise IndexError(f"dot64_gathered: offsets [{lo}, {hi}] fall outside the cache tensor")
+    out = torch.empty(S, H, m, n, dtype=torch.float32)
+    if base.dtype not in DTYPES:
+        raise TypeError(f"dot64_gathered: base dtype {base.dtype}; use one of {list(DTYPES)}")
+    if out.numel():
+        _call([1, S, H, m, n, k], a, [0] + list(a.stride()), base, [0, 0, 0, 0, sk], noff, koff, klen, out)
+    return out
+
+
+def _call(shape, a, sa, b, sb, noff, koff, klen, out):
+    ptr = [None if t is None else t.data_ptr() for t in (noff, koff, klen)]
+    rc = library().dot64(_int64s(shape), a.data_ptr(), DTYPES[a.dtype], _int64s(sa),
+                         b.data_ptr(), DTYPES[b.dtype], _int64s(sb), *ptr, out.data_ptr())
+    if rc:
+        raise MemoryError("consistent_ops dot64: out of memory for its row buffers")
+    return out

@@ -1,0 +1,104 @@
+"""The reference backend's CPU contraction (dot64.c): one fixed order, whatever the layout.
+
+Every claim is bitwise. The order is shown to matter (a sum whose fp64 rounding depends on
+it), so the layout/batch invariance checks cannot pass because all orders agree.
+"""
+import pytest
+import torch
+
+from consistent_ops.reference import native
+from consistent_ops.reference.core import matmul32
+
+BIG = 2.0 ** 60
+
+
+def _bf16(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (3, 5, 7), (32, 256, 512), (17, 130, 33), (64, 64, 4)])
+def test_bf16_products_match_fp64_blas(m, k, n):
+    """bf16 products have 16 bits, so these fp64 sums are exact and every order agrees."""
+    a, b = _bf16(m, k, seed=1), _bf16(n, k, seed=2)
+    assert torch.equal(native.dot64_matmul(a, b.t()), (a.double() @ b.double().t()).float())
+
+
+def test_fixed_lane_order_not_sequential():
+    """k = 0..3 land in four lanes summed (0+1)+(2+3): 2^60 + 1 and -2^60 + 1 each round,
+    giving 0 where a left-to-right sum gives 1."""
+    a = torch.ones(1, 4, dtype=torch.float64)
+    b = torch.tensor([[BIG], [1.0], [-BIG], [1.0]], dtype=torch.float64)
+    sequential = ((BIG + 1.0) - BIG) + 1.0
+    assert sequential == 1.0
+    assert native.dot64_matmul(a, b).item() == 0.0
+
+
+def _cancelling(m, k, n, seed):
+    """fp64 operands whose sums cancel: each row of a holds +2^60 and -2^60 at random places
+    among small values and b is +-1, so which small terms survive depends on the order."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g, dtype=torch.float64)
+    for i in range(m):
+        p, q = torch.randperm(k, generator=g)[:2].tolist()
+        a[i, p], a[i, q] = BIG, -BIG
+    b = torch.randint(0, 2, (k, n), generator=g).double() * 2 - 1
+    return a, b
+
+
+def test_order_is_the_same_for_every_layout_and_batch():
+    a, b = _cancelling(24, 37, 19, seed=3)
+    ref = native.dot64_matmul(a, b)
+    assert not torch.equal(ref, (a @ b).float()), "BLAS's order should differ somewhere here"
+    cols = native.dot64_matmul(a, b.contiguous())                 # B contiguous in n
+    rows = native.dot64_matmul(a, b.t().contiguous().t())         # B contiguous in k
+    assert torch.equal(rows, ref) and torch.equal(cols, ref)
+    alone = torch.cat([native.dot64_matmul(a[i:i + 1], b) for i in range(a.shape[0])])
+    assert torch.equal(alone, ref)
+    batched = native.dot64_matmul(a.expand(3, -1, -1), b)         # a batch of the same rows
+    assert all(torch.equal(x, ref) for x in batched)
+    assert torch.equal(native.dot64_matmul(a[::2], b), ref[::2])  # strided rows
+
+
+def test_broadcast_batches_and_fp16_operands():
+    a, b = _bf16(2, 3, 5, 16, seed=4), _bf16(3, 16, 6, seed=5)
+    out = native.dot64_matmul(a, b)
+    assert out.shape == (2, 3, 5, 6) and out.dtype == torch.float32
+    assert torch.equal(out, (a.double() @ b.double()).float())
+    h = a.half()
+    assert torch.equal(native.dot64_matmul(h, b), (h.double() @ b.double()).float())
+
+
+def test_gathered_operand_equals_dense_and_zero_pads():
+    """dot64_gathered reads B through offsets (attention's paged K/V) with the same bits as
+    a dense copy; k >= klen reads as 0, like the trainer's zero-padded V."""
+    a, _ = _cancelling(4, 8, 1, seed=6)
+    a = a.reshape(2, 2, 1, 8).expand(2, 2, 3, 8).contiguous()    # [S, H, M, K]
+    base = torch.randn(50, 8, dtype=torch.float64) * BIG ** torch.randint(0, 2, (50, 8))
+    rows = torch.randint(0, 50, (2, 2, 5)) * 8                    # B[s, h, n, k] = base[row n, k]
+    klen = torch.tensor([[8, 3], [0, 8]])
+    got = native.dot64_gathered(a, base, rows, sk=1, klen=klen)
+    dense = base.flatten()[rows[..., None] + torch.arange(8)]     # [S, H, N, K]
+    dense = dense * (torch.arange(8) < klen[..., None, None])
+    assert torch.equal(got, native.dot64_matmul(a, dense.transpose(-1, -2)))
+    # the same B read column-wise (koff over k, noff over n): the cols form, same bits
+    cols = native.dot64_gathered(a, base, rows, koff=torch.arange(8).expand(2, 2, 8), klen=klen)
+    assert torch.equal(cols, got)
+    with pytest.raises(IndexError, match="outside"):
+        native.dot64_gathered(a, base, rows + 400, sk=1)
+
+
+def test_autograd_matches_fp64():
+    a = _bf16(6, 10, seed=7).float().requires_grad_()
+    b = _bf16(10, 4, seed=8).float().requires_grad_()
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    matmul32(a, b).pow(2).sum().backward()
+    (a64 @ b64).float().pow(2).sum().backward()
+    assert torch.allclose(a.grad, a64.grad.float(), rtol=1e-6) and torch.allclose(b.grad, b64.grad.float(), rtol=1e-6)
+
+
+def test_build_error_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("CONSISTENT_OPS_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="install one"):
+        native._build()
