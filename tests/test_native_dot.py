@@ -102,3 +102,15 @@ def test_build_error_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("CONSISTENT_OPS_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="install one"):
         native._build()
+
+
+def test_rows_computes_only_each_groups_rows():
+    """MoE groups padded to the largest: rows past a group's count are 0 (an empty group
+    costs nothing), the others are the full product's bits; no gradient passes them."""
+    a, b = _bf16(3, 6, 16, seed=9).float().requires_grad_(), _bf16(3, 16, 5, seed=10).float()
+    rows = torch.tensor([6, 2, 0])
+    full, part = matmul32(a.detach(), b), matmul32(a, b, rows)
+    keep = (torch.arange(6) < rows[:, None])[..., None]
+    assert torch.equal(part, torch.where(keep, full, 0.0))
+    part.sum().backward()
+    assert torch.equal(a.grad, torch.where(keep, (torch.ones(3, 6, 5).double() @ b.double().mT).float(), 0.0))

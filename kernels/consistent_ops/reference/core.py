@@ -50,33 +50,43 @@ def weight64(w: torch.Tensor) -> torch.Tensor:
 
 class _Dot64(torch.autograd.Function):
     """Forward: native.dot64_matmul (the contract's order); backward: fp64 matmuls, as
-    autograd would give for torch.matmul(to64(a), to64(b)).float()."""
+    autograd would give for torch.matmul(to64(a), to64(b)).float(). Outputs past ``rows``
+    are constant zeros, so they pass no gradient."""
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, rows):
         ctx.save_for_backward(a, b)
-        return native.dot64_matmul(a, b)
+        ctx.rows = rows
+        return native.dot64_matmul(a, b, rows)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        g = grad.double()
+        g = grad.double() if ctx.rows is None else _first_rows(grad.double(), ctx.rows)
         ga = gb = None
         if ctx.needs_input_grad[0]:
             ga = (g @ to64(b).transpose(-1, -2)).sum_to_size(a.shape).to(a.dtype)
         if ctx.needs_input_grad[1]:
             gb = (to64(a).transpose(-1, -2) @ g).sum_to_size(b.shape).to(b.dtype)
-        return ga, gb
+        return ga, gb, None
 
 
-def matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _first_rows(x, rows):
+    """x [E, M, N] with every row past rows[e] set to 0."""
+    return x * (torch.arange(x.shape[-2], device=x.device) < rows[:, None])[..., None]
+
+
+def matmul32(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     """a @ b with fp64 accumulation, rounded once to fp32: on CPU the native kernel's fixed
-    order (dot64.c); elsewhere fp64 BLAS (the same bits whenever the fp64 sum is exact)."""
+    order (dot64.c); elsewhere fp64 BLAS (the same bits whenever the fp64 sum is exact).
+    rows [E] (a 3-D a of E entries): only the first rows[e] rows of entry e are computed,
+    the others are 0 (padded MoE groups; on CPU an empty expert costs nothing)."""
     if a.device.type != "cpu":
-        return torch.matmul(to64(a), to64(b)).float()
+        out = torch.matmul(to64(a), to64(b)).float()
+        return out if rows is None else _first_rows(out, rows)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        return _Dot64.apply(a, b)
-    return native.dot64_matmul(a, b)
+        return _Dot64.apply(a, b, rows)
+    return native.dot64_matmul(a, b, rows)
 
 
 def sum32(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:

@@ -23,7 +23,7 @@ enum { F64 = 0, F32 = 1, BF16 = 2 };
 static const int64_t ELEM[] = {8, 4, 2};
 
 enum { BBUF_DOUBLES = 8192 };   /* B rows widened at a time: 64 KiB */
-enum { ABUF_DOUBLES = 16384 };  /* A rows widened at a time: 128 KiB */
+enum { ABUF_DOUBLES = 8192 };  /* A rows widened at a time: 64 KiB */
 
 static inline double bf16_to_double(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -87,44 +87,57 @@ static inline float finish(v4d lanes) { return (float)((lanes[0] + lanes[1]) + (
  * Which form runs depends only on how B is laid out in memory (k contiguous or not), so
  * e.g. attention's p @ V runs the cols form for the trainer's padded V and the rollout's
  * paged V alike; the bits are the same in either form. */
+static inline void store4(float *o, int64_t left, const float v[4]) {
+    for (int64_t t = 0; t < 4 && t < left; t++) o[t] = v[t];
+}
+
+/* Two A rows at a time (a1 == a0 for a last odd row; its outputs are not stored): each B
+ * vector loaded feeds two rows, which keeps the loop off the L2 bandwidth limit. */
 static void block_rows(const double *abuf, int64_t mr, const double *bbuf, int64_t nr, int64_t left,
                        int64_t kp, float *out, int64_t ldo) {
     for (int64_t j0 = 0; j0 < nr; j0 += 4) {
         const double *b0 = bbuf + j0 * kp, *b1 = b0 + kp, *b2 = b1 + kp, *b3 = b2 + kp;
-        for (int64_t i = 0; i < mr; i++) {
-            const double *a = abuf + i * kp;
-            v4d c0 = {0, 0, 0, 0}, c1 = c0, c2 = c0, c3 = c0;
+        for (int64_t i = 0; i < mr; i += 2) {
+            const double *a0 = abuf + i * kp, *a1 = i + 1 < mr ? a0 + kp : a0;
+            v4d c00 = {0, 0, 0, 0}, c01 = c00, c02 = c00, c03 = c00;
+            v4d c10 = c00, c11 = c00, c12 = c00, c13 = c00;
             for (int64_t k = 0; k < kp; k += 4) {
-                const v4d av = load4(a + k);
-                c0 += av * load4(b0 + k);
-                c1 += av * load4(b1 + k);
-                c2 += av * load4(b2 + k);
-                c3 += av * load4(b3 + k);
+                const v4d x0 = load4(a0 + k), x1 = load4(a1 + k);
+                const v4d y0 = load4(b0 + k), y1 = load4(b1 + k), y2 = load4(b2 + k), y3 = load4(b3 + k);
+                c00 += x0 * y0; c01 += x0 * y1; c02 += x0 * y2; c03 += x0 * y3;
+                c10 += x1 * y0; c11 += x1 * y1; c12 += x1 * y2; c13 += x1 * y3;
             }
-            float *o = out + i * ldo + j0;
-            o[0] = finish(c0);
-            if (left - j0 > 1) o[1] = finish(c1);
-            if (left - j0 > 2) o[2] = finish(c2);
-            if (left - j0 > 3) o[3] = finish(c3);
+            const float r0[4] = {finish(c00), finish(c01), finish(c02), finish(c03)};
+            store4(out + i * ldo + j0, left - j0, r0);
+            if (i + 1 < mr) {
+                const float r1[4] = {finish(c10), finish(c11), finish(c12), finish(c13)};
+                store4(out + (i + 1) * ldo + j0, left - j0, r1);
+            }
         }
     }
 }
 
+static inline v4d lanes_total(v4d l0, v4d l1, v4d l2, v4d l3) { return (l0 + l1) + (l2 + l3); }
+
 static void block_cols(const double *abuf, int64_t mr, const double *bbuf, int64_t ldb, int64_t nr,
                        int64_t left, int64_t kp, float *out, int64_t ldo) {
     for (int64_t j0 = 0; j0 < nr; j0 += 4) {
-        for (int64_t i = 0; i < mr; i++) {
-            const double *a = abuf + i * kp, *b = bbuf + j0;
-            v4d l0 = {0, 0, 0, 0}, l1 = l0, l2 = l0, l3 = l0;
+        for (int64_t i = 0; i < mr; i += 2) {
+            const double *a0 = abuf + i * kp, *a1 = i + 1 < mr ? a0 + kp : a0, *b = bbuf + j0;
+            v4d l00 = {0, 0, 0, 0}, l01 = l00, l02 = l00, l03 = l00;
+            v4d l10 = l00, l11 = l00, l12 = l00, l13 = l00;
             for (int64_t k = 0; k < kp; k += 4, b += 4 * ldb) {
-                l0 += a[k] * load4(b);
-                l1 += a[k + 1] * load4(b + ldb);
-                l2 += a[k + 2] * load4(b + 2 * ldb);
-                l3 += a[k + 3] * load4(b + 3 * ldb);
+                const v4d y0 = load4(b), y1 = load4(b + ldb), y2 = load4(b + 2 * ldb), y3 = load4(b + 3 * ldb);
+                l00 += a0[k] * y0; l01 += a0[k + 1] * y1; l02 += a0[k + 2] * y2; l03 += a0[k + 3] * y3;
+                l10 += a1[k] * y0; l11 += a1[k + 1] * y1; l12 += a1[k + 2] * y2; l13 += a1[k + 3] * y3;
             }
-            const v4d total = (l0 + l1) + (l2 + l3);
-            float *o = out + i * ldo + j0;
-            for (int64_t t = 0; t < 4 && t < left - j0; t++) o[t] = (float)total[t];
+            const v4d t0 = lanes_total(l00, l01, l02, l03), t1 = lanes_total(l10, l11, l12, l13);
+            const float r0[4] = {(float)t0[0], (float)t0[1], (float)t0[2], (float)t0[3]};
+            store4(out + i * ldo + j0, left - j0, r0);
+            if (i + 1 < mr) {
+                const float r1[4] = {(float)t1[0], (float)t1[1], (float)t1[2], (float)t1[3]};
+                store4(out + (i + 1) * ldo + j0, left - j0, r1);
+            }
         }
     }
 }
@@ -169,11 +182,14 @@ static int64_t widen_b(const Bview *v, int64_t n0, int64_t nr, int64_t K, int64_
  * shape {nb0, nb1, nb2}; shape = {nb0, nb1, nb2, M, N, K}; sa = A strides {b0, b1, b2, m, k};
  * sb = B strides {b0, b1, b2, n, k} (elements); out contiguous fp32 [nb0, nb1, nb2, M, N].
  * Gathered B (see Bview): noff [nb, N] and/or koff [nb, K] replace B's n / k strides, klen
- * [nb] bounds k (each may be NULL; nb = nb0 * nb1 * nb2, entries in row-major batch order).
+ * [nb] bounds k; mlen [nb] computes only the first mlen[b] rows of entry b and sets the
+ * others to 0 (MoE experts padded to the largest group; an empty expert costs nothing).
+ * Each may be NULL; nb = nb0 * nb1 * nb2, entries in row-major batch order.
  * Returns 0, or -1 when out of memory. */
 int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
           const char *B, int tb, const int64_t *sb,
-          const int64_t *noff, const int64_t *koff, const int64_t *klen, float *out) {
+          const int64_t *noff, const int64_t *koff, const int64_t *klen, const int64_t *mlen,
+          float *out) {
     const int64_t M = shape[3], N = shape[4], K = shape[5];
     const int64_t ea = ELEM[ta], eb = ELEM[tb];
     const int64_t kp = (K + 3) & ~(int64_t)3;
@@ -191,8 +207,10 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
         const Bview bv = {B + (b0 * sb[0] + b1 * sb[1] + b2 * sb[2]) * eb, tb, sb[3], sb[4],
                           klen ? klen[b] : K, noff ? noff + b * N : NULL, koff ? koff + b * K : NULL};
         float *ob = out + b * M * N;
-        for (int64_t m0 = 0; m0 < M; m0 += mb) {
-            const int64_t mr = M - m0 < mb ? M - m0 : mb;
+        const int64_t rows = mlen && mlen[b] < M ? (mlen[b] > 0 ? mlen[b] : 0) : M;
+        memset(ob + rows * N, 0, (size_t)((M - rows) * N) * sizeof(float));
+        for (int64_t m0 = 0; m0 < rows; m0 += mb) {
+            const int64_t mr = rows - m0 < mb ? rows - m0 : mb;
             for (int64_t i = 0; i < mr; i++) {
                 widen(Ab + (m0 + i) * sa[3] * ea, ta, K, sa[4], abuf + i * kp);
                 for (int64_t k = K; k < kp; k++) abuf[i * kp + k] = 0.0;

@@ -22,12 +22,11 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
 
 def _pairs_by_expert(ids, local):
     """(token, slot) pair indices [L, n] of each local expert, ascending, padded to the
-    largest group n; valid [L, n] marks the real entries."""
+    largest group n, and each expert's group size [L]."""
     hits = ids.reshape(1, -1) == torch.tensor(local, device=ids.device)[:, None]     # [L, T*k]
     counts = hits.sum(1)
     pairs = torch.sort(hits.to(torch.uint8), dim=1, descending=True, stable=True).indices
-    n = int(counts.max())
-    return pairs[:, :n], torch.arange(n, device=ids.device) < counts[:, None]
+    return pairs[:, :int(counts.max())], counts
 
 
 _STACKS = WeakIdKeyDictionary()
@@ -46,18 +45,20 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32: routing weight * expert(x) for the slots whose expert is
     local (zeros elsewhere), and owned [T, k]. experts[e] = (w_gate [I, H], w_up [I, H],
     w_down [H, I]). All local experts run as one batched matmul over their (token, slot)
-    rows, padded to the largest group; every row is its own contract dot products rounded once
-    (as in ``linear``), so a contribution has the same bits on whichever rank, and in
+    rows, padded to the largest group (padding rows are not computed); every row is its own
+    contract dot products rounded once (as in ``linear``), so a contribution has the same bits on whichever rank, and in
     whichever token group, it is computed."""
     t, k = ids.shape
     local = sorted(range(len(experts)) if local_experts is None else local_experts)
-    contrib = torch.zeros(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
+    every = len(local) == len(experts)        # then each (token, slot) gets a contribution
+    contrib = (torch.empty if every else torch.zeros)(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
     owned = torch.zeros(t * k, dtype=torch.bool, device=x.device)
     if local and t:
-        pairs, valid = _pairs_by_expert(ids, local)
+        pairs, counts = _pairs_by_expert(ids, local)
+        valid = torch.arange(pairs.shape[1], device=x.device) < counts[:, None]
         w_gate_up, w_down = _stacked([experts[e] for e in local])
-        gate, up = matmul32(x[pairs // k], w_gate_up).to(x.dtype).chunk(2, -1)
-        out = matmul32(silu_mul(gate, up), w_down) * weights.reshape(-1)[pairs].unsqueeze(-1)
+        gate, up = matmul32(x[pairs // k], w_gate_up, counts).to(x.dtype).chunk(2, -1)
+        out = matmul32(silu_mul(gate, up), w_down, counts) * weights.reshape(-1)[pairs].unsqueeze(-1)
         sel = pairs[valid]
         contrib = contrib.index_put((sel,), out[valid])
         owned[sel] = True

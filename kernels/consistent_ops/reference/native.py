@@ -68,7 +68,7 @@ def library():
         if _lib is None:
             lib = ctypes.CDLL(str(_build()))
             p = ctypes.c_void_p
-            lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p, p, p]
+            lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p, p, p, p]
             lib.dot64.restype = ctypes.c_int
             _lib = lib
     return _lib
@@ -82,24 +82,31 @@ def _operand(x):
     return x if x.dtype in DTYPES else x.float()      # e.g. fp16: widening to fp32 is exact
 
 
-def dot64_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def dot64_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] (batch dims broadcast) -> fp32, each output one
-    contract_dot of dot64.c. CPU tensors; no autograd (core.matmul32 wraps it)."""
+    contract_dot of dot64.c. rows (int64, one per batch entry of a 3-D a): compute only the
+    first rows[e] rows of entry e, the others are 0. CPU tensors; no autograd (core.matmul32
+    wraps it)."""
     a, b = _operand(a), _operand(b)
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if b.dim() == 2 and a.dim() > 2:                    # a shared matrix: fold a's batch into M
+    if rows is None and b.dim() == 2 and a.dim() > 2:   # a shared matrix: fold a's batch into M
         return dot64_matmul(a.reshape(-1, k), b).reshape(*a.shape[:-1], n)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     out = torch.empty(*batch, m, n, dtype=torch.float32)
     if out.numel() == 0:
         return out
+    if rows is not None:
+        if len(batch) != 1 or rows.shape != batch:
+            raise ValueError(f"dot64_matmul: rows {tuple(rows.shape)} must give one count per batch "
+                             f"entry of a 3-D product (batch {tuple(batch)})")
+        rows = rows.to(torch.int64).contiguous()
     a, b = a.expand(*batch, m, k), b.expand(*batch, k, n)
     if len(batch) > 3:
         a, b = a.reshape(-1, m, k), b.reshape(-1, k, n)
     pad = 3 - (a.dim() - 2)
     shape = [1] * pad + list(a.shape[:-2]) + [m, n, k]
     sb = [0] * pad + list(b.stride()[:-2]) + [b.stride(-1), b.stride(-2)]   # b0 b1 b2 n k
-    return _call(shape, a, [0] * pad + list(a.stride()), b, sb, None, None, None, out)
+    return _call(shape, a, [0] * pad + list(a.stride()), b, sb, None, None, None, rows, out)
 
 
 def dot64_gathered(a, base, noff, *, koff=None, sk=0, klen=None):
@@ -120,12 +127,12 @@ def dot64_gathered(a, base, noff, *, koff=None, sk=0, klen=None):
     if base.dtype not in DTYPES:
         raise TypeError(f"dot64_gathered: base dtype {base.dtype}; use one of {list(DTYPES)}")
     if out.numel():
-        _call([1, S, H, m, n, k], a, [0] + list(a.stride()), base, [0, 0, 0, 0, sk], noff, koff, klen, out)
+        _call([1, S, H, m, n, k], a, [0] + list(a.stride()), base, [0, 0, 0, 0, sk], noff, koff, klen, None, out)
     return out
 
 
-def _call(shape, a, sa, b, sb, noff, koff, klen, out):
-    ptr = [None if t is None else t.data_ptr() for t in (noff, koff, klen)]
+def _call(shape, a, sa, b, sb, noff, koff, klen, mlen, out):
+    ptr = [None if t is None else t.data_ptr() for t in (noff, koff, klen, mlen)]
     rc = library().dot64(_int64s(shape), a.data_ptr(), DTYPES[a.dtype], _int64s(sa),
                          b.data_ptr(), DTYPES[b.dtype], _int64s(sb), *ptr, out.data_ptr())
     if rc:
