@@ -22,8 +22,21 @@ enum { F64 = 0, F32 = 1, BF16 = 2 };
 
 static const int64_t ELEM[] = {8, 4, 2};
 
-enum { BBUF_DOUBLES = 8192 };   /* B rows widened at a time: 64 KiB */
+enum { BFULL_DOUBLES = 1 << 19 }; /* B widened whole up to 4 MiB */
+enum { BBUF_DOUBLES = 8192 };   /* else B rows widened at a time: 64 KiB */
 enum { ABUF_DOUBLES = 8192 };  /* A rows widened at a time: 64 KiB */
+
+/* One growing buffer per thread for the widened rows (never freed: no allocation per call). */
+static double *scratch(size_t doubles) {
+    static __thread double *buf;
+    static __thread size_t cap;
+    if (doubles > cap) {
+        free(buf);
+        buf = aligned_alloc(32, ((doubles * sizeof(double) + 31) / 32) * 32);
+        cap = buf ? doubles : 0;
+    }
+    return buf;
+}
 
 static inline double bf16_to_double(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -194,9 +207,11 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     const int64_t ea = ELEM[ta], eb = ELEM[tb];
     const int64_t kp = (K + 3) & ~(int64_t)3;
     const int64_t mb = kp && ABUF_DOUBLES / kp > 0 ? (ABUF_DOUBLES / kp < M ? ABUF_DOUBLES / kp : M) : 1;
-    int64_t nb = kp ? (BBUF_DOUBLES / kp) & ~(int64_t)3 : 4;
+    /* B is widened once per batch entry when it fits (then A once per m block too); else in
+     * blocks of nb rows, A again for each. */
+    int64_t nb = N * kp <= BFULL_DOUBLES ? N : (BBUF_DOUBLES / kp) & ~(int64_t)3;
     if (nb < 4) nb = 4;
-    double *abuf = aligned_alloc(32, (size_t)((mb + nb) * kp + 4) * sizeof(double));
+    double *abuf = scratch((size_t)((mb + ((nb + 3) & ~(int64_t)3)) * kp + 4));
     if (!abuf) return -1;
     double *bbuf = abuf + mb * kp;
     int64_t b = 0;
@@ -209,20 +224,20 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
         float *ob = out + b * M * N;
         const int64_t rows = mlen && mlen[b] < M ? (mlen[b] > 0 ? mlen[b] : 0) : M;
         memset(ob + rows * N, 0, (size_t)((M - rows) * N) * sizeof(float));
-        for (int64_t m0 = 0; m0 < rows; m0 += mb) {
-            const int64_t mr = rows - m0 < mb ? rows - m0 : mb;
-            for (int64_t i = 0; i < mr; i++) {
-                widen(Ab + (m0 + i) * sa[3] * ea, ta, K, sa[4], abuf + i * kp);
-                for (int64_t k = K; k < kp; k++) abuf[i * kp + k] = 0.0;
-            }
-            for (int64_t n0 = 0; n0 < N; n0 += nb) {
-                const int64_t nr = N - n0 < nb ? N - n0 : nb, padded = (nr + 3) & ~(int64_t)3;
-                const int64_t ldb = widen_b(&bv, n0, nr, K, kp, bbuf);
-                if (ldb) block_cols(abuf, mr, bbuf, ldb, padded, N - n0, kp, ob + m0 * N + n0, N);
-                else block_rows(abuf, mr, bbuf, padded, N - n0, kp, ob + m0 * N + n0, N);
+        for (int64_t n0 = 0; n0 < N && rows; n0 += nb) {
+            const int64_t nr = N - n0 < nb ? N - n0 : nb, padded = (nr + 3) & ~(int64_t)3;
+            const int64_t ldb = widen_b(&bv, n0, nr, K, kp, bbuf);
+            for (int64_t m0 = 0; m0 < rows; m0 += mb) {
+                const int64_t mr = rows - m0 < mb ? rows - m0 : mb;
+                for (int64_t i = 0; i < mr; i++) {
+                    widen(Ab + (m0 + i) * sa[3] * ea, ta, K, sa[4], abuf + i * kp);
+                    for (int64_t k = K; k < kp; k++) abuf[i * kp + k] = 0.0;
+                }
+                float *o = ob + m0 * N + n0;
+                if (ldb) block_cols(abuf, mr, bbuf, ldb, padded, N - n0, kp, o, N);
+                else block_rows(abuf, mr, bbuf, padded, N - n0, kp, o, N);
             }
         }
     }
-    free(abuf);
     return 0;
 }
