@@ -18,10 +18,6 @@ from .core import exp32, matmul32, sum32
 NEG_INF = float("-inf")
 
 
-def _blk(j):
-    return slice(j * KV_BLOCK, (j + 1) * KV_BLOCK)
-
-
 class _DenseKV:
     """K/V laid out per sequence from position 0, [S, L, Hkv, D]; V is zero past the end."""
 
@@ -29,17 +25,20 @@ class _DenseKV:
         self.hkv = k.shape[2]
         self.kh, self.vh = k.transpose(1, 2), v.transpose(1, 2)        # [S, Hkv, L, D] views
 
-    def scores(self, qh, j):
-        return matmul32(qh, self.kh[:, :, _blk(j)].transpose(-1, -2))
+    def scores(self, qh, width):
+        """[S, Hkv, R, width]: every query row against keys 0 .. width-1."""
+        return matmul32(qh, self.kh[:, :, :width].transpose(-1, -2))
 
-    def values(self, p, j):
-        return matmul32(p, self.vh[:, :, _blk(j)])
+    def values(self, p):
+        """p [S, Hkv, J, R, KV_BLOCK] -> [S, Hkv, J, R, D]: block j's p against block j's V."""
+        S, hkv, J = p.shape[:3]
+        return matmul32(p, self.vh[:, :, :J * KV_BLOCK].reshape(S, hkv, J, KV_BLOCK, -1))
 
 
 class _PagedKV:
     """K/V read in place from a paged CPU cache [pages, page_size, Hkv, D]: the native
-    contraction addresses each block's rows through the block table (the same kernel, the
-    same order as _DenseKV; only the addressing differs), so nothing is gathered or copied.
+    contraction addresses the rows through the block table (the same kernel, the same
+    order as _DenseKV; only the addressing differs), so nothing is gathered or copied.
     Positions past a sequence's end read as zero V (klen), as in the padded layout."""
 
     def __init__(self, key_cache, value_cache, table, seq_lens, walked):
@@ -52,44 +51,50 @@ class _PagedKV:
         page = torch.minimum(pos[None, :] // page_size, (seq_lens[:, None] - 1) // page_size)
         self.token = (torch.gather(table, 1, page) * sp + (pos % page_size) * st)[:, None, :]  # [S, 1, L]
         self.heads = torch.arange(self.hkv)[None, :, None] * sh                                # [1, Hkv, 1]
-        self.dims = self.heads + torch.arange(key_cache.shape[3]) * self.sd                     # [1, Hkv, D]
 
-    def scores(self, qh, j):
-        return native.dot64_gathered(qh, self.k, self.token[..., _blk(j)] + self.heads, sk=self.sd)
+    def scores(self, qh, width):
+        return native.dot64_gathered(qh, self.k, self.token[..., :width] + self.heads, sk=self.sd)
 
-    def values(self, p, j):
-        S, hkv = p.shape[:2]
-        klen = (self.seq_lens - j * KV_BLOCK).clamp(0, KV_BLOCK)[:, None].expand(S, hkv)
-        return native.dot64_gathered(p, self.v, self.dims.expand(S, -1, -1),
-                                     koff=self.token[..., _blk(j)].expand(-1, hkv, -1), klen=klen)
+    def values(self, p):
+        S, hkv, J = p.shape[:3]
+        dims = (self.heads + torch.arange(self.k.shape[3]) * self.sd)[:, :, None]            # [1, Hkv, 1, D]
+        keys = self.token[..., :J * KV_BLOCK].reshape(S, 1, J, KV_BLOCK)
+        klen = (self.seq_lens[:, None] - torch.arange(J) * KV_BLOCK).clamp(0, KV_BLOCK)      # [S, J]
+        return native.dot64_gathered(p, self.v, dims.expand(S, -1, J, -1), koff=keys.expand(-1, hkv, -1, -1),
+                                     klen=klen[:, None].expand(-1, hkv, -1))
 
 
 def _attend(q, qpos, kv, scale):
     """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions (< seq_len); kv a _DenseKV or
-    _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype."""
+    _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype.
+
+    The contract's block loop, with the work that does not carry state between blocks done
+    for all blocks at once: scores (each its own dot product), the running max (a cummax
+    of block maxima is the loop's m), p and its row sums, and each block's p @ V. Only the
+    fp32 rescale-and-add recurrence runs block by block, in order: the loop's bits."""
     S, Tq, Hq, D = q.shape
     hkv = kv.hkv
-    g = Hq // hkv
+    g, rows = Hq // hkv, Hq // hkv * Tq
+    n_blocks = int(qpos.max()) // KV_BLOCK + 1
     # [S, Hkv, G*Tq, D]: the G query heads sharing a KV head are stacked as rows.
-    qh = q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, g * Tq, D)
-    m = torch.full((S, hkv, g * Tq, 1), NEG_INF, dtype=torch.float32, device=q.device)
-    l = torch.zeros_like(m)
-    acc = torch.zeros((S, hkv, g * Tq, D), dtype=torch.float32, device=q.device)
-    qpos_rows = qpos.repeat(1, g)                                   # [S, G*Tq]
-    offsets = torch.arange(KV_BLOCK, device=q.device)
-    for j in range(int(qpos.max()) // KV_BLOCK + 1):  # blocks from 0, in order
-        kpos = j * KV_BLOCK + offsets
-        visible = kpos[None, None, :] <= qpos_rows[:, :, None]      # qpos < seq_len: in the sequence
-        s = kv.scores(qh, j) * scale                                 # [S, Hkv, G*Tq, B]
-        s = s.masked_fill(~visible[:, None], NEG_INF)
-        # m only shifts the exponent: detach it so autograd sees the exact softmax.
-        m_new = torch.maximum(m, s.detach().amax(-1, keepdim=True))
-        a = exp32(m - m_new)
-        p = exp32(s - m_new)
-        l = l * a + sum32(p, -1, keepdim=True)
-        acc = acc * a + kv.values(p, j)
-        m = m_new
-    out = (acc / l).reshape(S, hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D)
+    qh = q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, rows, D)
+    kpos = torch.arange(n_blocks * KV_BLOCK, device=q.device)
+    visible = kpos[None, None, :] <= qpos.repeat(1, g)[:, :, None]     # qpos < seq_len: in the sequence
+    s = (kv.scores(qh, n_blocks * KV_BLOCK) * scale).masked_fill(~visible[:, None], NEG_INF)
+    s = s.view(S, hkv, rows, n_blocks, KV_BLOCK)
+    # m only shifts the exponent: detach it so autograd sees the exact softmax.
+    m = torch.cummax(s.detach().amax(-1), -1).values                    # [S, Hkv, R, J]
+    m_prev = torch.cat([torch.full_like(m[..., :1], NEG_INF), m[..., :-1]], -1)
+    a = exp32(m_prev - m)                                               # block 0: exp(-inf) = 0
+    p = exp32(s - m[..., None])
+    row_sums = sum32(p, -1)
+    pv = kv.values(p.transpose(2, 3))                                   # [S, Hkv, J, R, D]
+    l = torch.zeros((S, hkv, rows), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((S, hkv, rows, D), dtype=torch.float32, device=q.device)
+    for j in range(n_blocks):                                           # blocks from 0, in order
+        l = l * a[..., j] + row_sums[..., j]
+        acc = acc * a[..., j, None] + pv[:, :, j]
+    out = (acc / l[..., None]).reshape(S, hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D)
     return out.to(q.dtype)
 
 

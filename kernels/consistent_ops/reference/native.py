@@ -110,24 +110,26 @@ def dot64_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
 
 
 def dot64_gathered(a, base, noff, *, koff=None, sk=0, klen=None):
-    """out [S, H, M, N] fp32, out[s, h, m, n] = contract_dot(a[s, h, m, :], B[s, h, n, :]) where
-    B's element (n, k) is base's element noff[s, h, n] + koff[s, h, k] (k * sk when koff is
-    None; offsets count elements from base's first element) and reads as 0
-    for k >= klen[s, h]. a [S, H, M, K]; noff [S, H, N], koff [S, H, K], klen [S, H] int64.
-    Lets attention read K/V blocks in place from a paged cache (no gather, no autograd)."""
-    S, H, m, k = a.shape
-    a, n = _operand(a), noff.shape[-1]
+    """out [*batch, M, N] fp32 with out[b, m, n] = contract_dot(a[b, m, :], B[b, n, :]) where
+    B's element (n, k) is base's element noff[b, n] + koff[b, k] (k * sk when koff is None;
+    offsets count elements from base's first element) and reads as 0 for k >= klen[b].
+    a [*batch, M, K] with 1 to 3 batch dims; noff [*batch, N], koff [*batch, K], klen [*batch]
+    int64. Lets attention read K/V in place from a paged cache (no gather, no autograd)."""
+    batch, (m, k), n = a.shape[:-2], a.shape[-2:], noff.shape[-1]
+    a = _operand(a)
     noff, koff, klen = (None if t is None else t.to(torch.int64).contiguous() for t in (noff, koff, klen))
     lo = int(noff.min()) + (int(koff.min()) if koff is not None else 0)
     hi = int(noff.max()) + (int(koff.max()) if koff is not None else (k - 1) * sk)
     room = base.untyped_storage().nbytes() // base.element_size() - base.storage_offset()
     if lo < -base.storage_offset() or hi >= room:
         raise IndexError(f"dot64_gathered: offsets [{lo}, {hi}] fall outside the cache tensor")
-    out = torch.empty(S, H, m, n, dtype=torch.float32)
     if base.dtype not in DTYPES:
         raise TypeError(f"dot64_gathered: base dtype {base.dtype}; use one of {list(DTYPES)}")
+    out = torch.empty(*batch, m, n, dtype=torch.float32)
     if out.numel():
-        _call([1, S, H, m, n, k], a, [0] + list(a.stride()), base, [0, 0, 0, 0, sk], noff, koff, klen, None, out)
+        pad = 3 - len(batch)
+        _call([1] * pad + list(batch) + [m, n, k], a, [0] * pad + list(a.stride()), base,
+              [0, 0, 0, 0, sk], noff, koff, klen, None, out)
     return out
 
 
