@@ -109,10 +109,9 @@ def test_preflight_names_every_indivisible_split():
 
 # ----------------------------------------------------------------------------- attention
 def _vllm_cache(pages, page, hkv, d, dtype):
-    """A per-layer cache exactly as vLLM 0.31 hands it over for the LBNHC layout: logical
-    [pages, Hkv, page, 2D], token-major in memory; stale pages hold NaN (never zeroed)."""
-    raw = torch.full((pages, page, hkv, 2 * d), float("nan"), dtype=dtype)
-    return raw.permute(0, 2, 1, 3)
+    """A per-layer cache exactly as vLLM 0.31 hands it over for the LBHNC layout: logical
+    [pages, Hkv, page, 2D], head-major in memory; stale pages hold NaN (never zeroed)."""
+    return torch.full((pages, hkv, page, 2 * d), float("nan"), dtype=dtype)
 
 
 def _metadata(q_lens, seq_lens, tables, slots):

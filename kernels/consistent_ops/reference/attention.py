@@ -140,8 +140,9 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     reduce over the same cache). Caches [pages, page_size, Hkv, D]; slot -1 = padding."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    key_cache.view(-1, *key_cache.shape[2:])[slots] = key[keep].to(key_cache.dtype)
-    value_cache.view(-1, *value_cache.shape[2:])[slots] = value[keep].to(value_cache.dtype)
+    page, pos = slots // key_cache.shape[1], slots % key_cache.shape[1]   # any strides (head-major too)
+    key_cache[page, pos] = key[keep].to(key_cache.dtype)
+    value_cache[page, pos] = value[keep].to(value_cache.dtype)
 
 
 def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None):

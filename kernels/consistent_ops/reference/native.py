@@ -91,7 +91,7 @@ def dot64_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     if rows is None and b.dim() == 2 and a.dim() > 2:   # a shared matrix: fold a's batch into M
         return dot64_matmul(a.reshape(-1, k), b).reshape(*a.shape[:-1], n)
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    batch = a.shape[:-2] if a.shape[:-2] == b.shape[:-2] else torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     out = torch.empty(*batch, m, n, dtype=torch.float32)
     if out.numel() == 0:
         return out

@@ -87,8 +87,8 @@ class RowParallelLinear(_Linear):
         w = self.weight.to(x.dtype)
         if self.tp.sharded:
             total = parallel.gather_ordered_sum(co.row_parallel_partial(x, w), self.tp.group)
-        elif self.tp.size == 1:   # the one shard is the parameter itself (the reference backend keeps
-            total = co.row_parallel_partial(x, w)   # its fp64 copy per tensor; a split view is per call)
+        elif self.tp.size == 1:   # one shard: its partial rounded once is a plain linear
+            return co.linear(x, w, self.bias)
         else:
             return co.row_parallel_linear(x, w, self.tp.size, self.bias)
         return co.finish_row_parallel(total, self.bias, x.dtype)
