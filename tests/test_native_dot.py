@@ -114,3 +114,59 @@ def test_rows_computes_only_each_groups_rows():
     assert torch.equal(part, torch.where(keep, full, 0.0))
     part.sum().backward()
     assert torch.equal(a.grad, torch.where(keep, (torch.ones(3, 6, 5).double() @ b.double().mT).float(), 0.0))
+
+
+def test_attention_recurrence_in_c_equals_the_torch_loop():
+    """Inference runs the per-block rescale-and-add in C (online_combine), autograd the torch
+    loop: the same IEEE fp32 steps, so the same bits. A one-shot softmax (no block
+    recurrence) lands elsewhere, so the equality is not vacuous."""
+    import consistent_ops as co
+    g = torch.Generator().manual_seed(11)
+    lens = [150, 64, 7]
+    q = torch.randn(sum(lens), 4, 32, generator=g).bfloat16()
+    k, v = (torch.randn(sum(lens), 2, 32, generator=g).bfloat16() for _ in range(2))
+    cu = torch.tensor([0] + lens).cumsum(0)
+    with torch.no_grad():
+        fast = co.attention_varlen(q, k, v, cu)
+    recorded = co.attention_varlen(q.clone().requires_grad_(), k, v, cu)
+    assert recorded.requires_grad and torch.equal(fast, recorded.detach())
+    one_shot = torch.nn.functional.scaled_dot_product_attention(
+        q[:150].float().transpose(0, 1), k[:150].float().repeat_interleave(2, 1).transpose(0, 1),
+        v[:150].float().repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1).bfloat16()
+    assert not torch.equal(one_shot, fast[:150])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_in_one_call_equals_the_torch_steps(dtype):
+    """Inference runs RMSNorm (and its residual add) in one native call, autograd the torch
+    steps: the same bits. A stock fp32 RMSNorm (rsqrt of a mean) differs somewhere."""
+    import consistent_ops as co
+    g = torch.Generator().manual_seed(12)
+    x, res = (torch.randn(37, 3, 64, generator=g).to(dtype) * 3 for _ in range(2))
+    w = (1 + torch.randn(64, generator=g) / 4).to(dtype)
+    with torch.no_grad():
+        y_fast, r_fast = co.add_rms_norm(x, res, w, 1e-6)
+        plain = co.rms_norm(x, w, 1e-6)
+    x_rec = x.clone().requires_grad_()
+    y_rec, r_rec = co.add_rms_norm(x_rec, res, w, 1e-6)
+    assert y_rec.requires_grad
+    assert torch.equal(y_fast, y_rec.detach()) and torch.equal(r_fast, r_rec.detach())
+    assert torch.equal(plain, co.rms_norm(x.clone().requires_grad_(), w, 1e-6).detach())
+    x32, w32 = x.float(), w.float()                     # fp32: no bf16 rounding to hide it
+    stock = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * w32
+    with torch.no_grad():
+        assert not torch.equal(stock, co.rms_norm(x32, w32, 1e-6))
+
+
+def test_inv_sqrt_is_ieee_where_torch_sqrt_is_not():
+    """The contract asks for IEEE sqrt and division; on CPU torch.sqrt misses the correctly
+    rounded result in some last bits, numpy's float32 sqrt does not, and ours equals numpy."""
+    import numpy as np
+    from consistent_ops.reference.core import inv_sqrt32
+    v = torch.rand(4096, generator=torch.Generator().manual_seed(13)) * 20 + 0.1
+    ieee = np.float32(1) / np.sqrt(v.numpy())
+    assert np.array_equal(inv_sqrt32(v).numpy(), ieee)
+    assert not np.array_equal((1.0 / torch.sqrt(v)).numpy(), ieee)
+    x = v.clone().requires_grad_()
+    inv_sqrt32(x).sum().backward()
+    assert torch.allclose(x.grad, -0.5 * v ** -1.5, rtol=1e-5)

@@ -73,7 +73,7 @@ ACCUMULATION = {
             "fp64 products; CPU: k in 4 fp64 lanes (lane j: k = j, j+4, ... ascending), "
             "result (lane0 + lane1) + (lane2 + lane3), no FMA, one thread per output; "
             "other devices: fp64 BLAS; rounded once to fp32"),
-        "reductions": "fp64, rounded once to fp32",
+        "reductions": "fp64, rounded once to fp32; RMSNorm's sum of squares is contract_dot(x, x)",
         "tp_partial_dtype": "float64",
     },
     "triton": {

@@ -89,13 +89,16 @@ def _attend(q, qpos, kv, scale):
     p = exp32(s - m[..., None])
     row_sums = sum32(p, -1)
     pv = kv.values(p.transpose(2, 3))                                   # [S, Hkv, J, R, D]
-    l = torch.zeros((S, hkv, rows), dtype=torch.float32, device=q.device)
-    acc = torch.zeros((S, hkv, rows, D), dtype=torch.float32, device=q.device)
-    for j in range(n_blocks):                                           # blocks from 0, in order
-        l = l * a[..., j] + row_sums[..., j]
-        acc = acc * a[..., j, None] + pv[:, :, j]
-    out = (acc / l[..., None]).reshape(S, hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D)
-    return out.to(q.dtype)
+    if q.device.type == "cpu" and not (torch.is_grad_enabled() and pv.requires_grad):
+        out = native.online_combine(a, row_sums, pv)                    # the loop below, in C
+    else:
+        l = torch.zeros((S, hkv, rows), dtype=torch.float32, device=q.device)
+        acc = torch.zeros((S, hkv, rows, D), dtype=torch.float32, device=q.device)
+        for j in range(n_blocks):                                       # blocks from 0, in order
+            l = l * a[..., j] + row_sums[..., j]
+            acc = acc * a[..., j, None] + pv[:, :, j]
+        out = acc / l[..., None]
+    return out.reshape(S, hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D).to(q.dtype)
 
 
 def _check_heads(hq, hkv):

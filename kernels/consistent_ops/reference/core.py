@@ -102,7 +102,24 @@ def log32(x: torch.Tensor) -> torch.Tensor:
     return torch.log(x.double()).float()
 
 
+class _InvSqrt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = native.inv_sqrt(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, = ctx.saved_tensors
+        return grad * -0.5 * y * y * y
+
+
 def inv_sqrt32(x: torch.Tensor) -> torch.Tensor:
-    """1/sqrt(x) from IEEE sqrt and division (never the rsqrt kernel)."""
+    """1/sqrt(x) in fp32 from IEEE sqrt and division (never the rsqrt kernel). On CPU in
+    native code: torch's CPU sqrt is not correctly rounded (seen: last-bit differences
+    from sqrtf), and the fused native RMSNorm must produce the same bits."""
     x = x.float()
-    return 1.0 / torch.sqrt(x)
+    if x.device.type != "cpu":
+        return 1.0 / torch.sqrt(x)
+    return _InvSqrt.apply(x) if torch.is_grad_enabled() and x.requires_grad else native.inv_sqrt(x)

@@ -12,6 +12,7 @@
  * fp64 in memory made the rollout's decode step bound by fp64 traffic (KV blocks and weights
  * re-widened each step); here operands are widened in cache-sized buffers.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -240,4 +241,84 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
         }
     }
     return 0;
+}
+
+/* The attention's block recurrence for rows that have every block's a, row sum and p @ V:
+ * l = l * a_j + rowsum_j, acc = acc * a_j + pv_j for j = 0, 1, ... in order from zeros, then
+ * out = acc / l. fp32 IEEE multiplies, adds and a division (no FMA): the same bits as the
+ * same steps done by torch elementwise ops, which autograd uses instead when it records.
+ * a, rowsum [n, R, J]; pv [n, J, R, D]; out [n, R, D]; all contiguous fp32. */
+void online_combine(int64_t n, int64_t R, int64_t J, int64_t D, const float *a, const float *rowsum,
+                    const float *pv, float *out) {
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t r = 0; r < R; r++) {
+            const float *ar = a + (b * R + r) * J, *sr = rowsum + (b * R + r) * J;
+            float *o = out + (b * R + r) * D;
+            float l = 0.0f;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t j = 0; j < J; j++) {
+                const float *p = pv + ((b * J + j) * R + r) * D;
+                l = l * ar[j] + sr[j];
+                for (int64_t d = 0; d < D; d++) o[d] = o[d] * ar[j] + p[d];
+            }
+            for (int64_t d = 0; d < D; d++) o[d] = o[d] / l;
+        }
+}
+
+/* fp32 -> bf16 as torch rounds it (nearest even; NaN -> 0x7FC0). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float load_act(const char *p, int dt, int64_t i) {
+    return dt == F32 ? ((const float *)p)[i] : (float)bf16_to_double(((const uint16_t *)p)[i]);
+}
+
+static inline void store_act(char *p, int dt, int64_t i, float v) {
+    if (dt == F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = float_to_bf16(v);
+}
+
+/* RMSNorm of T rows of H (dt = F32 or BF16, rows contiguous): r = x (+ residual, added in
+ * dt); var = contract_dot(r, r) (the lane order of dot64) / H; inv = 1 / sqrt(var + eps);
+ * out = dt(dt(r * inv) * w), every step an IEEE fp32 operation rounded as torch rounds it,
+ * so the same bits as reference/norm.py's torch steps, which autograd uses instead. r is
+ * written to res_out when residual is given. */
+void rms_norm_rows(int64_t T, int64_t H, int dt, const char *x, int64_t sx, const char *res, int64_t sres,
+                   const char *w, float eps, char *out, char *res_out) {
+    const int64_t e = ELEM[dt], hp = (H + 3) & ~(int64_t)3;
+    float *r = (float *)scratch((size_t)hp);             /* fp32 row (a double-sized buffer) */
+    for (int64_t t = 0; t < T; t++) {
+        const char *xr = x + t * sx * e;
+        v4d lanes = {0, 0, 0, 0};
+        for (int64_t i = 0; i < hp; i++) {
+            float v = 0.0f;
+            if (i < H) {
+                v = load_act(xr, dt, i);
+                if (res) {
+                    v = v + load_act(res + t * sres * e, dt, i);
+                    if (dt == BF16) v = (float)bf16_to_double(float_to_bf16(v));
+                    store_act(res_out + t * H * e, dt, i, v);
+                }
+                r[i] = v;
+            }
+            lanes[i & 3] += (double)v * (double)v;
+        }
+        const float var = finish(lanes) / (float)H;
+        const float inv = 1.0f / sqrtf(var + eps);
+        for (int64_t i = 0; i < H; i++) {
+            float y = r[i] * inv;
+            if (dt == BF16) y = (float)bf16_to_double(float_to_bf16(y));
+            store_act(out + t * H * e, dt, i, y * load_act(w, dt, i));
+        }
+    }
+}
+
+/* out = 1 / sqrt(x) in fp32 with IEEE sqrt and division (torch's CPU sqrt is not correctly
+ * rounded: it differs from sqrtf in some last bits). */
+void inv_sqrt32(int64_t n, const float *x, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / sqrtf(x[i]);
 }

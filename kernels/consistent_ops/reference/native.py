@@ -19,6 +19,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("dot64.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+LIBS = ["-lm"]
 DTYPES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
 _lock = threading.Lock()
 _lib = None
@@ -46,7 +47,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(
                 f"consistent_ops: building the reference backend's CPU kernel failed ({cc} "
@@ -70,6 +71,13 @@ def library():
             p = ctypes.c_void_p
             lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p, p, p, p]
             lib.dot64.restype = ctypes.c_int
+            i64 = ctypes.c_int64
+            lib.online_combine.argtypes = [i64, i64, i64, i64, p, p, p, p]
+            lib.online_combine.restype = None
+            lib.rms_norm_rows.argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p, ctypes.c_float, p, p]
+            lib.rms_norm_rows.restype = None
+            lib.inv_sqrt32.argtypes = [i64, p, p]
+            lib.inv_sqrt32.restype = None
             _lib = lib
     return _lib
 
@@ -139,4 +147,47 @@ def _call(shape, a, sa, b, sb, noff, koff, klen, mlen, out):
                          b.data_ptr(), DTYPES[b.dtype], _int64s(sb), *ptr, out.data_ptr())
     if rc:
         raise MemoryError("consistent_ops dot64: out of memory for its row buffers")
+    return out
+
+
+def online_combine(a, row_sums, pv):
+    """Attention's block recurrence (dot64.c online_combine): a, row_sums [S, H, R, J] and
+    pv [S, H, J, R, D] fp32 -> acc / l [S, H, R, D]; the same bits as the torch loop in
+    attention._attend (IEEE fp32 steps), without its per-block ops. No autograd."""
+    S, H, R, J = a.shape
+    D = pv.shape[-1]
+    a, row_sums, pv = (t.contiguous() for t in (a, row_sums, pv))
+    out = torch.empty(S, H, R, D, dtype=torch.float32)
+    library().online_combine(S * H, R, J, D, a.data_ptr(), row_sums.data_ptr(), pv.data_ptr(), out.data_ptr())
+    return out
+
+
+ACTIVATIONS = (torch.bfloat16, torch.float32)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """reference/norm.py's RMSNorm (and its fused residual add) in one call (dot64.c
+    rms_norm_rows): the same bits as those torch steps. x [..., H] of an ACTIVATIONS dtype;
+    returns y, or (y, x + residual) when residual is given. No autograd."""
+    h = x.shape[-1]
+    rows = x.reshape(-1, h)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    res = None if residual is None else residual.reshape(-1, h)
+    if res is not None and res.stride(-1) != 1:
+        res = res.contiguous()
+    w = weight.to(x.dtype).contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    res_out = None if res is None else torch.empty(x.shape, dtype=x.dtype)
+    library().rms_norm_rows(rows.shape[0], h, DTYPES[x.dtype], rows.data_ptr(), rows.stride(0),
+                            None if res is None else res.data_ptr(), 0 if res is None else res.stride(0),
+                            w.data_ptr(), eps, out.data_ptr(), None if res_out is None else res_out.data_ptr())
+    return out if residual is None else (out, res_out)
+
+
+def inv_sqrt(x):
+    """1 / sqrt(x) of an fp32 CPU tensor with IEEE sqrt and division (dot64.c inv_sqrt32)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    library().inv_sqrt32(x.numel(), x.data_ptr(), out.data_ptr())
     return out
