@@ -116,10 +116,10 @@ def test_rows_computes_only_each_groups_rows():
     assert torch.equal(a.grad, torch.where(keep, (torch.ones(3, 6, 5).double() @ b.double().mT).float(), 0.0))
 
 
-def test_attention_recurrence_in_c_equals_the_torch_loop():
-    """Inference runs the per-block rescale-and-add in C (online_combine), autograd the torch
-    loop: the same IEEE fp32 steps, so the same bits. A one-shot softmax (no block
-    recurrence) lands elsewhere, so the equality is not vacuous."""
+def test_attention_forward_is_native_with_and_without_autograd():
+    """On CPU the trainer's recorded forward, its no-grad forward and the rollout all run the
+    native one-pass attention: the same bits; its gradient comes from the torch loop. A
+    one-shot softmax (no block recurrence) lands elsewhere, so the equality is not vacuous."""
     import consistent_ops as co
     g = torch.Generator().manual_seed(11)
     lens = [150, 64, 7]
@@ -128,8 +128,14 @@ def test_attention_recurrence_in_c_equals_the_torch_loop():
     cu = torch.tensor([0] + lens).cumsum(0)
     with torch.no_grad():
         fast = co.attention_varlen(q, k, v, cu)
-    recorded = co.attention_varlen(q.clone().requires_grad_(), k, v, cu)
+    q64 = q.double().requires_grad_()
+    qr = q.clone().float().requires_grad_()
+    recorded = co.attention_varlen(qr.bfloat16(), k, v, cu)
     assert recorded.requires_grad and torch.equal(fast, recorded.detach())
+    recorded.float().sum().backward()
+    ref = co.attention_varlen(q64, k.double(), v.double(), cu)     # an fp64 reference
+    ref.sum().backward()
+    assert torch.allclose(qr.grad.double(), q64.grad, rtol=2e-2, atol=2e-2)
     one_shot = torch.nn.functional.scaled_dot_product_attention(
         q[:150].float().transpose(0, 1), k[:150].float().repeat_interleave(2, 1).transpose(0, 1),
         v[:150].float().repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1).bfloat16()

@@ -22,62 +22,107 @@ class _DenseKV:
     """K/V laid out per sequence from position 0, [S, L, Hkv, D]; V is zero past the end."""
 
     def __init__(self, k, v):
-        self.hkv = k.shape[2]
-        self.kh, self.vh = k.transpose(1, 2), v.transpose(1, 2)        # [S, Hkv, L, D] views
+        self.k, self.v, self.hkv = k, v, k.shape[2]
 
     def scores(self, qh, width):
         """[S, Hkv, R, width]: every query row against keys 0 .. width-1."""
-        return matmul32(qh, self.kh[:, :, :width].transpose(-1, -2))
+        return matmul32(qh, self.k[:, :width].permute(0, 2, 3, 1))
 
     def values(self, p):
         """p [S, Hkv, J, R, KV_BLOCK] -> [S, Hkv, J, R, D]: block j's p against block j's V."""
         S, hkv, J = p.shape[:3]
-        return matmul32(p, self.vh[:, :, :J * KV_BLOCK].reshape(S, hkv, J, KV_BLOCK, -1))
+        return matmul32(p, self.v[:, :J * KV_BLOCK].transpose(1, 2).reshape(S, hkv, J, KV_BLOCK, -1))
+
+    def addresses(self):
+        """(K, V, token offsets [S, L], head stride, dim stride, seq_lens) for native.attend."""
+        k, v = self.k, self.v
+        if k.stride() != v.stride():
+            k, v = k.contiguous(), v.contiguous()
+        S, L = k.shape[:2]
+        token = torch.arange(S)[:, None] * k.stride(0) + torch.arange(L)[None, :] * k.stride(1)
+        return k, v, token, k.stride(2), k.stride(3), torch.full((S,), L)
 
 
 class _PagedKV:
-    """K/V read in place from a paged CPU cache [pages, page_size, Hkv, D]: the native
-    contraction addresses the rows through the block table (the same kernel, the same
-    order as _DenseKV; only the addressing differs), so nothing is gathered or copied.
-    Positions past a sequence's end read as zero V (klen), as in the padded layout."""
+    """K/V read in place from a paged CPU cache [pages, page_size, Hkv, D] through the
+    block table (nothing gathered). Positions past a sequence's end read as zero V."""
 
     def __init__(self, key_cache, value_cache, table, seq_lens, walked):
         if key_cache.stride() != value_cache.stride():
             raise ValueError("attention_paged: key and value caches must share one layout")
         self.k, self.v, self.seq_lens, self.hkv = key_cache, value_cache, seq_lens, key_cache.shape[2]
-        page_size, sp, st, sh, self.sd = key_cache.shape[1], *key_cache.stride()
+        page_size, sp, st = key_cache.shape[1], *key_cache.stride()[:2]
         pos = torch.arange(walked)
         # Columns past a sequence's last page repeat it (masked keys; V reads as zero there).
         page = torch.minimum(pos[None, :] // page_size, (seq_lens[:, None] - 1) // page_size)
-        self.token = (torch.gather(table, 1, page) * sp + (pos % page_size) * st)[:, None, :]  # [S, 1, L]
-        self.heads = torch.arange(self.hkv)[None, :, None] * sh                                # [1, Hkv, 1]
+        self.token = torch.gather(table, 1, page) * sp + (pos % page_size) * st            # [S, L]
 
-    def scores(self, qh, width):
-        return native.dot64_gathered(qh, self.k, self.token[..., :width] + self.heads, sk=self.sd)
+    def addresses(self):
+        return self.k, self.v, self.token, self.k.stride(2), self.k.stride(3), self.seq_lens
 
-    def values(self, p):
-        S, hkv, J = p.shape[:3]
-        dims = (self.heads + torch.arange(self.k.shape[3]) * self.sd)[:, :, None]            # [1, Hkv, 1, D]
-        keys = self.token[..., :J * KV_BLOCK].reshape(S, 1, J, KV_BLOCK)
-        klen = (self.seq_lens[:, None] - torch.arange(J) * KV_BLOCK).clamp(0, KV_BLOCK)      # [S, J]
-        return native.dot64_gathered(p, self.v, dims.expand(S, -1, J, -1), koff=keys.expand(-1, hkv, -1, -1),
-                                     klen=klen[:, None].expand(-1, hkv, -1))
+
+class _NativeAttention(torch.autograd.Function):
+    """Forward: native.attend (the contract loop in one pass, as in inference); backward:
+    autograd through _attend_torch, the same rules written in torch ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qpos, scale):
+        ctx.save_for_backward(q, k, v, qpos)
+        ctx.scale = scale
+        return _attend_native(q, qpos, _DenseKV(k, v), scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, qpos = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad)]
+            out = _attend_torch(inputs[0], qpos, _DenseKV(inputs[1], inputs[2]), ctx.scale)
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad))
+        return tuple(next(grads) if t.requires_grad else None for t in inputs) + (None, None)
+
+
+def _rows(q, hkv):
+    """q [S, Tq, Hq, D] -> [S, Hkv, G*Tq, D]: the G query heads sharing a KV head stacked as rows."""
+    S, Tq, Hq, D = q.shape
+    return q.reshape(S, Tq, hkv, Hq // hkv, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, Hq // hkv * Tq, D)
+
+
+def _unrows(out, q):
+    S, Tq, Hq, D = q.shape
+    hkv = out.shape[1]
+    return out.reshape(S, hkv, Hq // hkv, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D).to(q.dtype)
 
 
 def _attend(q, qpos, kv, scale):
     """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions (< seq_len); kv a _DenseKV or
     _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype.
+    On CPU every forward (trainer and rollout, with or without autograd) is native.attend;
+    elsewhere the torch ops of _attend_torch."""
+    if q.device.type != "cpu" or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
+        return _attend_torch(q, qpos, kv, scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv.k, kv.v)):
+        return _NativeAttention.apply(q, kv.k, kv.v, qpos, scale)
+    return _attend_native(q, qpos, kv, scale)
 
-    The contract's block loop, with the work that does not carry state between blocks done
-    for all blocks at once: scores (each its own dot product), the running max (a cummax
-    of block maxima is the loop's m), p and its row sums, and each block's p @ V. Only the
-    fp32 rescale-and-add recurrence runs block by block, in order: the loop's bits."""
+
+def _attend_native(q, qpos, kv, scale):
+    k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
+    g = q.shape[2] // kv.hkv
+    out = native.attend(_rows(q, kv.hkv), k, v, token, head_stride, dim_stride, qpos.repeat(1, g), seq_lens, scale)
+    return _unrows(out, q)
+
+
+def _attend_torch(q, qpos, kv, scale):
+    """The contract's block loop in torch ops, with the work that does not carry state
+    between blocks done for all blocks at once: scores (each its own dot product), the
+    running max (a cummax of block maxima is the loop's m), p and its row sums, and each
+    block's p @ V; only the fp32 rescale-and-add runs block by block, in order."""
     S, Tq, Hq, D = q.shape
     hkv = kv.hkv
     g, rows = Hq // hkv, Hq // hkv * Tq
     n_blocks = int(qpos.max()) // KV_BLOCK + 1
-    # [S, Hkv, G*Tq, D]: the G query heads sharing a KV head are stacked as rows.
-    qh = q.reshape(S, Tq, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(S, hkv, rows, D)
+    qh = _rows(q, hkv)
     kpos = torch.arange(n_blocks * KV_BLOCK, device=q.device)
     visible = kpos[None, None, :] <= qpos.repeat(1, g)[:, :, None]     # qpos < seq_len: in the sequence
     s = (kv.scores(qh, n_blocks * KV_BLOCK) * scale).masked_fill(~visible[:, None], NEG_INF)
@@ -89,16 +134,12 @@ def _attend(q, qpos, kv, scale):
     p = exp32(s - m[..., None])
     row_sums = sum32(p, -1)
     pv = kv.values(p.transpose(2, 3))                                   # [S, Hkv, J, R, D]
-    if q.device.type == "cpu" and not (torch.is_grad_enabled() and pv.requires_grad):
-        out = native.online_combine(a, row_sums, pv)                    # the loop below, in C
-    else:
-        l = torch.zeros((S, hkv, rows), dtype=torch.float32, device=q.device)
-        acc = torch.zeros((S, hkv, rows, D), dtype=torch.float32, device=q.device)
-        for j in range(n_blocks):                                       # blocks from 0, in order
-            l = l * a[..., j] + row_sums[..., j]
-            acc = acc * a[..., j, None] + pv[:, :, j]
-        out = acc / l[..., None]
-    return out.reshape(S, hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D).to(q.dtype)
+    l = torch.zeros((S, hkv, rows), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((S, hkv, rows, D), dtype=torch.float32, device=q.device)
+    for j in range(n_blocks):                                           # blocks from 0, in order
+        l = l * a[..., j] + row_sums[..., j]
+        acc = acc * a[..., j, None] + pv[:, :, j]
+    return _unrows(acc / l[..., None], q)
 
 
 def _check_heads(hq, hkv):

@@ -243,28 +243,6 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     return 0;
 }
 
-/* The attention's block recurrence for rows that have every block's a, row sum and p @ V:
- * l = l * a_j + rowsum_j, acc = acc * a_j + pv_j for j = 0, 1, ... in order from zeros, then
- * out = acc / l. fp32 IEEE multiplies, adds and a division (no FMA): the same bits as the
- * same steps done by torch elementwise ops, which autograd uses instead when it records.
- * a, rowsum [n, R, J]; pv [n, J, R, D]; out [n, R, D]; all contiguous fp32. */
-void online_combine(int64_t n, int64_t R, int64_t J, int64_t D, const float *a, const float *rowsum,
-                    const float *pv, float *out) {
-    for (int64_t b = 0; b < n; b++)
-        for (int64_t r = 0; r < R; r++) {
-            const float *ar = a + (b * R + r) * J, *sr = rowsum + (b * R + r) * J;
-            float *o = out + (b * R + r) * D;
-            float l = 0.0f;
-            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-            for (int64_t j = 0; j < J; j++) {
-                const float *p = pv + ((b * J + j) * R + r) * D;
-                l = l * ar[j] + sr[j];
-                for (int64_t d = 0; d < D; d++) o[d] = o[d] * ar[j] + p[d];
-            }
-            for (int64_t d = 0; d < D; d++) o[d] = o[d] / l;
-        }
-}
-
 /* fp32 -> bf16 as torch rounds it (nearest even; NaN -> 0x7FC0). */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
@@ -321,4 +299,88 @@ void rms_norm_rows(int64_t T, int64_t H, int dt, const char *x, int64_t sx, cons
  * rounded: it differs from sqrtf in some last bits). */
 void inv_sqrt32(int64_t n, const float *x, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = 1.0f / sqrtf(x[i]);
+}
+
+/* The contract's attention for every (sequence s, KV head h), one pass over K/V blocks of
+ * KVB positions from 0 in order (contract.py COMMON["attention"]): per block
+ * s = fp32(contract_dot(q, k)) * scale, masked past the row's position to -inf;
+ * m' = max(m, rowmax s); a = fp32(exp64(m - m')); p = fp32(exp64(s - m'));
+ * l = l * a + fp32(lane sum of p); acc = acc * a + fp32(contract_dot(p, v)); out = acc / l.
+ * Contractions use block_rows / block_cols (the lane order of dot64); fp32 steps are
+ * separate IEEE operations. Reading K and V of a block together keeps the one pass over
+ * the cache (a paged KV cache is read in place: no gather).
+ * dims = {S, H, R, D, L}: R query rows per (s, h), keys 0 .. L-1 (L a multiple of KVB).
+ * Q element (s, h, r, d) at Q + s*qs[0] + h*qs[1] + r*qs[2] + d; K/V element (s, h, pos, d)
+ * at base + tok[s*L + pos] + h*kvs[0] + d*kvs[1]; qpos [S*R] (row r of s: its position,
+ * < seq_len[s]); V at pos >= seq_len[s] reads as 0. out [S, H, R, D] fp32. 0 or -1 (memory). */
+enum { KVB = 64 };
+
+int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
+             int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
+             float scale, float *out) {
+    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4];
+    const int64_t dp = (D + 3) & ~(int64_t)3, eq = ELEM[tq], ekv = ELEM[tkv];
+    const size_t need = (size_t)(R * dp + KVB * dp + KVB * dp + R * KVB + 4) * 2 + (size_t)(R * (dp + 2)) + 8;
+    double *buf = scratch(need);
+    if (!buf) return -1;
+    double *qb = buf, *kb = qb + R * dp, *vb = kb + KVB * dp, *pb = vb + KVB * dp;
+    float *sb = (float *)(pb + R * KVB), *pv = sb + R * KVB, *mrow = pv + R * dp, *lrow = mrow + R;
+    for (int64_t s = 0; s < S; s++)
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t *ts = tok + s * L;
+        const int64_t slen = seq_len[s];
+        const int64_t *qp = qpos + s * R;
+        float *o = out + (s * H + h) * R * D;
+        for (int64_t r = 0; r < R; r++) {
+            widen(Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq, tq, D, 1, qb + r * dp);
+            for (int64_t d = D; d < dp; d++) qb[r * dp + d] = 0.0;
+            mrow[r] = -INFINITY;
+            lrow[r] = 0.0f;
+            for (int64_t d = 0; d < D; d++) o[r * D + d] = 0.0f;
+        }
+        int64_t last = 0;                                /* blocks up to the largest position */
+        for (int64_t r = 0; r < R; r++) last = qp[r] > last ? qp[r] : last;
+        for (int64_t j = 0; j * KVB <= last && j * KVB < L; j++) {
+            for (int64_t n = 0; n < KVB; n++) {
+                const int64_t pos = j * KVB + n;
+                const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
+                if (n + PREFETCH < KVB) {
+                    prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
+                    prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
+                }
+                widen(kr, tkv, D, kvs[1], kb + n * dp);
+                for (int64_t d = D; d < dp; d++) kb[n * dp + d] = 0.0;
+                if (pos < slen) widen(vr, tkv, D, kvs[1], vb + n * dp);
+                else memset(vb + n * dp, 0, (size_t)D * sizeof(double));
+                for (int64_t d = D; d < dp; d++) vb[n * dp + d] = 0.0;
+            }
+            block_rows(qb, R, kb, KVB, KVB, dp, sb, KVB);          /* sb[r][n] = fp32 dot */
+            for (int64_t r = 0; r < R; r++) {
+                float *sr = sb + r * KVB, bm = -INFINITY;
+                for (int64_t n = 0; n < KVB; n++) {
+                    sr[n] = j * KVB + n <= qp[r] ? sr[n] * scale : -INFINITY;
+                    bm = sr[n] > bm ? sr[n] : bm;
+                }
+                const float m_new = mrow[r] > bm ? mrow[r] : bm;
+                const float a = (float)exp((double)(mrow[r] - m_new));
+                v4d lanes = {0, 0, 0, 0};
+                for (int64_t n = 0; n < KVB; n++) {
+                    const float p = (float)exp((double)(sr[n] - m_new));
+                    pb[r * KVB + n] = p;
+                    lanes[n & 3] += (double)p;
+                }
+                lrow[r] = lrow[r] * a + finish(lanes);
+                mrow[r] = m_new;
+                sr[0] = a;                                          /* keep a for the acc update */
+            }
+            block_cols(pb, R, vb, dp, dp, D, KVB, pv, dp);         /* pv[r][d] = fp32 dot(p, v) */
+            for (int64_t r = 0; r < R; r++) {
+                const float a = sb[r * KVB];
+                for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] * a + pv[r * dp + d];
+            }
+        }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lrow[r];
+    }
+    return 0;
 }

@@ -72,8 +72,8 @@ def library():
             lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p, p, p, p]
             lib.dot64.restype = ctypes.c_int
             i64 = ctypes.c_int64
-            lib.online_combine.argtypes = [i64, i64, i64, i64, p, p, p, p]
-            lib.online_combine.restype = None
+            lib.attend64.argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p, ctypes.c_float, p]
+            lib.attend64.restype = ctypes.c_int
             lib.rms_norm_rows.argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p, ctypes.c_float, p, p]
             lib.rms_norm_rows.restype = None
             lib.inv_sqrt32.argtypes = [i64, p, p]
@@ -150,15 +150,29 @@ def _call(shape, a, sa, b, sb, noff, koff, klen, mlen, out):
     return out
 
 
-def online_combine(a, row_sums, pv):
-    """Attention's block recurrence (dot64.c online_combine): a, row_sums [S, H, R, J] and
-    pv [S, H, J, R, D] fp32 -> acc / l [S, H, R, D]; the same bits as the torch loop in
-    attention._attend (IEEE fp32 steps), without its per-block ops. No autograd."""
-    S, H, R, J = a.shape
-    D = pv.shape[-1]
-    a, row_sums, pv = (t.contiguous() for t in (a, row_sums, pv))
+def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale):
+    """The contract's attention in one pass (dot64.c attend64): qh [S, H, R, D] query rows;
+    K/V element (s, h, pos, d) at k/v's first element + token[s, pos] + h * head_stride +
+    d * dim_stride (a padded layout or a paged cache read in place); qpos [S, R] each row's
+    position; V past seq_lens[s] reads as 0. Returns acc / l, fp32 [S, H, R, D]. No autograd."""
+    S, H, R, D = qh.shape
+    qh = qh if qh.stride(-1) == 1 else qh.contiguous()
+    token, qpos, seq_lens = (t.to(torch.int64).contiguous() for t in (token, qpos, seq_lens))
+    L = token.shape[1]
+    reach = int(token.max()) + (H - 1) * head_stride + (D - 1) * dim_stride
+    for c in (k, v):
+        if int(token.min()) < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
+            raise IndexError(f"attend: K/V offsets up to {reach} fall outside the cache tensor")
+    if k.dtype != v.dtype or k.dtype not in DTYPES:
+        raise TypeError(f"attend: K/V dtypes {k.dtype}/{v.dtype}; use one of {list(DTYPES)}")
     out = torch.empty(S, H, R, D, dtype=torch.float32)
-    library().online_combine(S * H, R, J, D, a.data_ptr(), row_sums.data_ptr(), pv.data_ptr(), out.data_ptr())
+    if out.numel():
+        rc = library().attend64(_int64s([S, H, R, D, L]), qh.data_ptr(), DTYPES[qh.dtype],
+                                _int64s(list(qh.stride()[:3])), k.data_ptr(), v.data_ptr(), DTYPES[k.dtype],
+                                token.data_ptr(), _int64s([head_stride, dim_stride]), qpos.data_ptr(),
+                                seq_lens.data_ptr(), scale, out.data_ptr())
+        if rc:
+            raise MemoryError("consistent_ops attend: out of memory for its buffers")
     return out
 
 
