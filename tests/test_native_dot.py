@@ -69,25 +69,6 @@ def test_broadcast_batches_and_fp16_operands():
     assert torch.equal(native.dot64_matmul(h, b), (h.double() @ b.double()).float())
 
 
-def test_gathered_operand_equals_dense_and_zero_pads():
-    """dot64_gathered reads B through offsets (attention's paged K/V) with the same bits as
-    a dense copy; k >= klen reads as 0, like the trainer's zero-padded V."""
-    a, _ = _cancelling(4, 8, 1, seed=6)
-    a = a.reshape(2, 2, 1, 8).expand(2, 2, 3, 8).contiguous()    # [S, H, M, K]
-    base = torch.randn(50, 8, dtype=torch.float64) * BIG ** torch.randint(0, 2, (50, 8))
-    rows = torch.randint(0, 50, (2, 2, 5)) * 8                    # B[s, h, n, k] = base[row n, k]
-    klen = torch.tensor([[8, 3], [0, 8]])
-    got = native.dot64_gathered(a, base, rows, sk=1, klen=klen)
-    dense = base.flatten()[rows[..., None] + torch.arange(8)]     # [S, H, N, K]
-    dense = dense * (torch.arange(8) < klen[..., None, None])
-    assert torch.equal(got, native.dot64_matmul(a, dense.transpose(-1, -2)))
-    # the same B read column-wise (koff over k, noff over n): the cols form, same bits
-    cols = native.dot64_gathered(a, base, rows, koff=torch.arange(8).expand(2, 2, 8), klen=klen)
-    assert torch.equal(cols, got)
-    with pytest.raises(IndexError, match="outside"):
-        native.dot64_gathered(a, base, rows + 400, sk=1)
-
-
 def test_autograd_matches_fp64():
     a = _bf16(6, 10, seed=7).float().requires_grad_()
     b = _bf16(10, 4, seed=8).float().requires_grad_()

@@ -74,6 +74,10 @@ ACCUMULATION = {
             "result (lane0 + lane1) + (lane2 + lane3), no FMA, one thread per output; "
             "other devices: fp64 BLAS; rounded once to fp32"),
         "reductions": "fp64, rounded once to fp32; RMSNorm's sum of squares is contract_dot(x, x)",
+        "attention": (
+            "CPU: one native pass per (sequence, KV head) over K/V blocks (reference/dot64.c "
+            "attend64), row sums of p in the contract_dot lane order, exp from libm in fp64; "
+            "sqrt: IEEE (libm sqrtf)"),
         "tp_partial_dtype": "float64",
     },
     "triton": {

@@ -64,27 +64,20 @@ static void widen(const char *src, int dt, int64_t n, int64_t s, double *dst) {
     }
 }
 
-/* Where B's elements live for one batch entry: element (n, k) at base + row(n) + col(k)
- * (in elements), row = noff ? noff[n] : n * sn, col = koff ? koff[k] : k * sk; k >= klen
- * reads as 0 (keys past a sequence's end, as zero as in the trainer's padded layout).
- * Offset arrays let attention read K/V blocks in place from a paged cache. */
+/* B of one batch entry: element (n, k) at base + n * sn + k * sk (in elements). */
 typedef struct {
     const char *base;
     int dt;
-    int64_t sn, sk, klen;
-    const int64_t *noff, *koff;
+    int64_t sn, sk;
 } Bview;
 
-/* Rows of a paged cache are scattered: ask for the row PREFETCH ahead while widening this
- * one (a cold decode step was latency-bound without it). Hints only; bits are unaffected. */
+/* Rows of a B operand can be scattered (strided views): ask for the row PREFETCH ahead
+ * while widening this one. Hints only; bits are unaffected. */
 enum { PREFETCH = 8 };
 
 static inline void prefetch(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
-
-static inline int64_t brow(const Bview *v, int64_t n) { return v->noff ? v->noff[n] : n * v->sn; }
-static inline int64_t bcol(const Bview *v, int64_t k) { return v->koff ? v->koff[k] : k * v->sk; }
 
 static inline v4d load4(const double *p) {
     v4d v;
@@ -156,38 +149,25 @@ static void block_cols(const double *abuf, int64_t mr, const double *bbuf, int64
     }
 }
 
-/* B rows n0 .. n0+nr-1, zero past klen and up to kp (0 * 0 adds nothing), into bbuf: in the
- * rows form when B is contiguous in k (weights, K blocks), else in the cols form with each
- * k's run of n read in order (V blocks: a position's head dims are contiguous). Returns the
- * cols form's row length (0 for the rows form). */
+/* B rows n0 .. n0+nr-1, zero-padded to kp (0 * 0 adds nothing), into bbuf: in the rows
+ * form when B is contiguous in k (weights, K), else in the cols form with each k's run of
+ * n read in order (V: a position's head dims are contiguous). Returns the cols form's row
+ * length (0 for the rows form). */
 static int64_t widen_b(const Bview *v, int64_t n0, int64_t nr, int64_t K, int64_t kp, double *dst) {
-    const int64_t len = v->klen < K ? v->klen : K, e = ELEM[v->dt];
-    const int64_t padded = (nr + 3) & ~(int64_t)3;
-    if (!v->koff && v->sk == 1) {
+    const int64_t e = ELEM[v->dt], padded = (nr + 3) & ~(int64_t)3;
+    if (v->sk == 1) {
         for (int64_t j = 0; j < padded; j++) {
-            if (j + PREFETCH < nr) prefetch(v->base + brow(v, n0 + j + PREFETCH) * e, len * e);
-            if (j < nr) widen(v->base + brow(v, n0 + j) * e, v->dt, len, 1, dst + j * kp);
-            memset(dst + j * kp + (j < nr ? len : 0), 0, (size_t)(kp - (j < nr ? len : 0)) * sizeof(double));
+            const char *row = v->base + (n0 + j) * v->sn * e;
+            if (j + PREFETCH < nr) prefetch(row + PREFETCH * v->sn * e, K * e);
+            if (j < nr) widen(row, v->dt, K, 1, dst + j * kp);
+            memset(dst + j * kp + (j < nr ? K : 0), 0, (size_t)(kp - (j < nr ? K : 0)) * sizeof(double));
         }
         return 0;
     }
-    int64_t rows[nr];
-    for (int64_t j = 0; j < nr; j++) rows[j] = brow(v, n0 + j);
-    const int64_t step = nr > 1 ? rows[1] - rows[0] : 1;
-    int regular = 1;                                   /* evenly spaced: one strided run per k */
-    for (int64_t j = 1; j < nr && regular; j++) regular = rows[j] - rows[0] == j * step;
     for (int64_t k = 0; k < kp; k++) {
         double *d = dst + k * padded;
-        if (k < len) {
-            const int64_t c = bcol(v, k);
-            if (regular && k + PREFETCH < len)
-                prefetch(v->base + (bcol(v, k + PREFETCH) + rows[0]) * e, (nr - 1) * step * e + e);
-            if (regular) widen(v->base + (c + rows[0]) * e, v->dt, nr, step, d);
-            else for (int64_t j = 0; j < nr; j++) widen(v->base + (c + rows[j]) * e, v->dt, 1, 1, d + j);
-            for (int64_t j = nr; j < padded; j++) d[j] = 0.0;
-        } else {
-            memset(d, 0, (size_t)padded * sizeof(double));
-        }
+        if (k < K) widen(v->base + (n0 * v->sn + k * v->sk) * e, v->dt, nr, v->sn, d);
+        for (int64_t j = k < K ? nr : 0; j < padded; j++) d[j] = 0.0;
     }
     return padded;
 }
@@ -195,15 +175,11 @@ static int64_t widen_b(const Bview *v, int64_t n0, int64_t nr, int64_t K, int64_
 /* out[b, m, n] = contract_dot(A[b, m, :], B[b, n, :]) for every entry b of a batch of
  * shape {nb0, nb1, nb2}; shape = {nb0, nb1, nb2, M, N, K}; sa = A strides {b0, b1, b2, m, k};
  * sb = B strides {b0, b1, b2, n, k} (elements); out contiguous fp32 [nb0, nb1, nb2, M, N].
- * Gathered B (see Bview): noff [nb, N] and/or koff [nb, K] replace B's n / k strides, klen
- * [nb] bounds k; mlen [nb] computes only the first mlen[b] rows of entry b and sets the
- * others to 0 (MoE experts padded to the largest group; an empty expert costs nothing).
- * Each may be NULL; nb = nb0 * nb1 * nb2, entries in row-major batch order.
- * Returns 0, or -1 when out of memory. */
+ * mlen [nb] (or NULL) computes only the first mlen[b] rows of entry b and sets the others
+ * to 0 (MoE experts padded to the largest group; an empty expert costs nothing);
+ * nb = nb0 * nb1 * nb2, entries in row-major batch order. Returns 0, or -1 when out of memory. */
 int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
-          const char *B, int tb, const int64_t *sb,
-          const int64_t *noff, const int64_t *koff, const int64_t *klen, const int64_t *mlen,
-          float *out) {
+          const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
     const int64_t M = shape[3], N = shape[4], K = shape[5];
     const int64_t ea = ELEM[ta], eb = ELEM[tb];
     const int64_t kp = (K + 3) & ~(int64_t)3;
@@ -220,8 +196,7 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     for (int64_t b1 = 0; b1 < shape[1]; b1++)
     for (int64_t b2 = 0; b2 < shape[2]; b2++, b++) {
         const char *Ab = A + (b0 * sa[0] + b1 * sa[1] + b2 * sa[2]) * ea;
-        const Bview bv = {B + (b0 * sb[0] + b1 * sb[1] + b2 * sb[2]) * eb, tb, sb[3], sb[4],
-                          klen ? klen[b] : K, noff ? noff + b * N : NULL, koff ? koff + b * K : NULL};
+        const Bview bv = {B + (b0 * sb[0] + b1 * sb[1] + b2 * sb[2]) * eb, tb, sb[3], sb[4]};
         float *ob = out + b * M * N;
         const int64_t rows = mlen && mlen[b] < M ? (mlen[b] > 0 ? mlen[b] : 0) : M;
         memset(ob + rows * N, 0, (size_t)((M - rows) * N) * sizeof(float));

@@ -69,7 +69,7 @@ def library():
         if _lib is None:
             lib = ctypes.CDLL(str(_build()))
             p = ctypes.c_void_p
-            lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p, p, p, p]
+            lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p]
             lib.dot64.restype = ctypes.c_int
             i64 = ctypes.c_int64
             lib.attend64.argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p, ctypes.c_float, p]
@@ -114,37 +114,12 @@ def dot64_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     pad = 3 - (a.dim() - 2)
     shape = [1] * pad + list(a.shape[:-2]) + [m, n, k]
     sb = [0] * pad + list(b.stride()[:-2]) + [b.stride(-1), b.stride(-2)]   # b0 b1 b2 n k
-    return _call(shape, a, [0] * pad + list(a.stride()), b, sb, None, None, None, rows, out)
+    return _call(shape, a, [0] * pad + list(a.stride()), b, sb, rows, out)
 
 
-def dot64_gathered(a, base, noff, *, koff=None, sk=0, klen=None):
-    """out [*batch, M, N] fp32 with out[b, m, n] = contract_dot(a[b, m, :], B[b, n, :]) where
-    B's element (n, k) is base's element noff[b, n] + koff[b, k] (k * sk when koff is None;
-    offsets count elements from base's first element) and reads as 0 for k >= klen[b].
-    a [*batch, M, K] with 1 to 3 batch dims; noff [*batch, N], koff [*batch, K], klen [*batch]
-    int64. Lets attention read K/V in place from a paged cache (no gather, no autograd)."""
-    batch, (m, k), n = a.shape[:-2], a.shape[-2:], noff.shape[-1]
-    a = _operand(a)
-    noff, koff, klen = (None if t is None else t.to(torch.int64).contiguous() for t in (noff, koff, klen))
-    lo = int(noff.min()) + (int(koff.min()) if koff is not None else 0)
-    hi = int(noff.max()) + (int(koff.max()) if koff is not None else (k - 1) * sk)
-    room = base.untyped_storage().nbytes() // base.element_size() - base.storage_offset()
-    if lo < -base.storage_offset() or hi >= room:
-        raise IndexError(f"dot64_gathered: offsets [{lo}, {hi}] fall outside the cache tensor")
-    if base.dtype not in DTYPES:
-        raise TypeError(f"dot64_gathered: base dtype {base.dtype}; use one of {list(DTYPES)}")
-    out = torch.empty(*batch, m, n, dtype=torch.float32)
-    if out.numel():
-        pad = 3 - len(batch)
-        _call([1] * pad + list(batch) + [m, n, k], a, [0] * pad + list(a.stride()), base,
-              [0, 0, 0, 0, sk], noff, koff, klen, None, out)
-    return out
-
-
-def _call(shape, a, sa, b, sb, noff, koff, klen, mlen, out):
-    ptr = [None if t is None else t.data_ptr() for t in (noff, koff, klen, mlen)]
-    rc = library().dot64(_int64s(shape), a.data_ptr(), DTYPES[a.dtype], _int64s(sa),
-                         b.data_ptr(), DTYPES[b.dtype], _int64s(sb), *ptr, out.data_ptr())
+def _call(shape, a, sa, b, sb, mlen, out):
+    rc = library().dot64(_int64s(shape), a.data_ptr(), DTYPES[a.dtype], _int64s(sa), b.data_ptr(),
+                         DTYPES[b.dtype], _int64s(sb), None if mlen is None else mlen.data_ptr(), out.data_ptr())
     if rc:
         raise MemoryError("consistent_ops dot64: out of memory for its row buffers")
     return out
