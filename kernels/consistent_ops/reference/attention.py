@@ -2,10 +2,10 @@
 
 ``attention_varlen`` (packed training batches, prefill without cache) and
 ``attention_paged`` (any number of new tokens per sequence against a paged KV
-cache) differ only in how K/V blocks are addressed (a zero-padded per-sequence layout
+cache) differ only in how K/V rows are addressed (a zero-padded per-sequence layout
 vs the pages themselves, read in place through the block table); both run ``_attend``
-and the same contraction kernel, so a token gets the same bits whether it was trained,
-prefilled, chunk-prefilled or decoded.
+(on CPU the native one-pass loop, elsewhere its torch ops), so a token gets the same
+bits whether it was trained, prefilled, chunk-prefilled or decoded.
 """
 import math
 

@@ -46,8 +46,8 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     local (zeros elsewhere), and owned [T, k]. experts[e] = (w_gate [I, H], w_up [I, H],
     w_down [H, I]). All local experts run as one batched matmul over their (token, slot)
     rows, padded to the largest group (padding rows are not computed); every row is its own
-    contract dot products rounded once (as in ``linear``), so a contribution has the same bits on whichever rank, and in
-    whichever token group, it is computed."""
+    contract dot products rounded once (as in ``linear``), so a contribution has the same
+    bits on whichever rank, and in whichever token group, it is computed."""
     t, k = ids.shape
     local = sorted(range(len(experts)) if local_experts is None else local_experts)
     every = len(local) == len(experts)        # then each (token, slot) gets a contribution

@@ -130,7 +130,7 @@ class ConsistentAttentionMetadataBuilder(AttentionMetadataBuilder[ConsistentAtte
 
 def split_kv_cache(kv_cache: torch.Tensor):
     """vLLM's per-layer cache -> K, V [pages, page_size, Hkv, D] views (no copy).
-    0.31: [pages, Hkv, page, Dk + Dv] logical view with LBHNC physical order;
+    0.31: [pages, Hkv, page, Dk + Dv] logical view (LBHNC or LBNHC physical order);
     older vLLM: [2, pages, page, Hkv, D] from get_kv_cache_shape."""
     if kv_cache.dim() == 5:
         return kv_cache[0], kv_cache[1]
