@@ -13,7 +13,7 @@ import torch
 
 from ..contract import KV_BLOCK
 from . import native
-from .core import exp32, matmul32, sum32
+from .core import exp32, matmul32, recording, sum32
 
 NEG_INF = float("-inf")
 
@@ -101,7 +101,7 @@ def _attend(q, qpos, kv, scale):
     elsewhere the torch ops of _attend_torch."""
     if q.device.type != "cpu" or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
         return _attend_torch(q, qpos, kv, scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv.k, kv.v)):
+    if recording(q, kv.k, kv.v):
         return _NativeAttention.apply(q, kv.k, kv.v, qpos, scale)
     return _attend_native(q, qpos, kv, scale)
 

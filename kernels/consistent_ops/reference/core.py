@@ -16,6 +16,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import native
 
 
+def recording(*tensors) -> bool:
+    """Whether autograd records an op on these tensors (then the torch steps, or a native
+    forward with a torch backward, run instead of a plain native call)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def to64(x: torch.Tensor) -> torch.Tensor:
     """Exact widening to fp64."""
     return x.double()
@@ -84,7 +90,7 @@ def matmul32(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     if a.device.type != "cpu":
         out = torch.matmul(to64(a), to64(b)).float()
         return out if rows is None else _first_rows(out, rows)
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+    if recording(a, b):
         return _Dot64.apply(a, b, rows)
     return native.dot64_matmul(a, b, rows)
 
@@ -122,4 +128,4 @@ def inv_sqrt32(x: torch.Tensor) -> torch.Tensor:
     x = x.float()
     if x.device.type != "cpu":
         return 1.0 / torch.sqrt(x)
-    return _InvSqrt.apply(x) if torch.is_grad_enabled() and x.requires_grad else native.inv_sqrt(x)
+    return _InvSqrt.apply(x) if recording(x) else native.inv_sqrt(x)

@@ -230,6 +230,11 @@ static inline float load_act(const char *p, int dt, int64_t i) {
     return dt == F32 ? ((const float *)p)[i] : (float)bf16_to_double(((const uint16_t *)p)[i]);
 }
 
+/* v rounded to the activation dtype and back (identity for fp32). */
+static inline float round_act(int dt, float v) {
+    return dt == BF16 ? (float)bf16_to_double(float_to_bf16(v)) : v;
+}
+
 static inline void store_act(char *p, int dt, int64_t i, float v) {
     if (dt == F32) ((float *)p)[i] = v;
     else ((uint16_t *)p)[i] = float_to_bf16(v);
@@ -252,8 +257,7 @@ void rms_norm_rows(int64_t T, int64_t H, int dt, const char *x, int64_t sx, cons
             if (i < H) {
                 v = load_act(xr, dt, i);
                 if (res) {
-                    v = v + load_act(res + t * sres * e, dt, i);
-                    if (dt == BF16) v = (float)bf16_to_double(float_to_bf16(v));
+                    v = round_act(dt, v + load_act(res + t * sres * e, dt, i));
                     store_act(res_out + t * H * e, dt, i, v);
                 }
                 r[i] = v;
@@ -263,9 +267,7 @@ void rms_norm_rows(int64_t T, int64_t H, int dt, const char *x, int64_t sx, cons
         const float var = finish(lanes) / (float)H;
         const float inv = 1.0f / sqrtf(var + eps);
         for (int64_t i = 0; i < H; i++) {
-            float y = r[i] * inv;
-            if (dt == BF16) y = (float)bf16_to_double(float_to_bf16(y));
-            store_act(out + t * H * e, dt, i, y * load_act(w, dt, i));
+            store_act(out + t * H * e, dt, i, round_act(dt, r[i] * inv) * load_act(w, dt, i));
         }
     }
 }

@@ -4,17 +4,14 @@ The torch steps below are the spec, and what autograd records; inference on CPU 
 the same steps in one native call (native.rms_norm: every step an IEEE fp32 operation
 rounded as torch rounds it, and the sum of squares is the same contract dot), so both
 give the same bits."""
-import torch
-
 from . import native
-from .core import inv_sqrt32, matmul32
+from .core import inv_sqrt32, matmul32, recording
 
 
 def _native(x, residual, weight):
     return (x.device.type == "cpu" and x.dtype in native.ACTIVATIONS
             and (residual is None or residual.dtype == x.dtype)
-            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                     for t in (x, residual, weight))))
+            and not recording(x, residual, weight))
 
 
 def rms_norm(x, weight, eps):
