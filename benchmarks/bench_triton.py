@@ -259,7 +259,10 @@ def _moe_cfg(bm, gu, dn):
 MOE_PROBE = [(64, (64, 64, 4, 4), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (256, 64, 8, 4)),
              (64, (64, 64, 4, 3), (256, 64, 8, 3)), (64, (128, 64, 4, 4), (128, 64, 4, 4)),
              (64, (128, 64, 4, 4), (256, 64, 8, 3)), (128, (128, 64, 8, 4), (256, 64, 8, 3)),
-             (128, (128, 64, 8, 3), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (128, 128, 4, 3))]
+             (128, (128, 64, 8, 3), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (128, 128, 4, 3)),
+             (16, (128, 64, 4, 4), (128, 64, 4, 4)), (16, (64, 64, 4, 4), (128, 64, 4, 4)),
+             (16, (128, 128, 4, 3), (128, 128, 4, 3)), (16, (256, 64, 8, 3), (256, 64, 8, 3)),
+             (32, (128, 64, 4, 4), (128, 64, 4, 4)), (16, (64, 128, 4, 4), (64, 128, 4, 4))]
 # first probe (2026-11-30, same device): BM128 gu(128,64,8,3) dn(128,64,8,3) [the old entry]
 # 1.195 / 1.750 / 2.445 ms at T 1024 / 4096 / 8192; BM128 dn(256,64,8,3) 1.068 / 1.696 / 2.177;
 # BM64 gu(64,64,4,4) dn(128,64,4,3) 1.075 / 1.870 / 2.465; BM64 gu(128,64,4,4) dn(128,64,4,4)
@@ -267,13 +270,13 @@ MOE_PROBE = [(64, (64, 64, 4, 4), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (256, 6
 
 
 def probe_moe():
-    """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included) at T tokens,
+    """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included, graph replays) at T tokens,
     and whether the contributions equal the first entry's bit for bit."""
     h, inter, e, topk = 2048, 768, 128, 8
     wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
     wd = rand(e, h, inter, scale=inter ** -0.5)
     local = list(range(e))
-    for t in (1024, 4096, 8192):
+    for t in (64, 256, 1024, 4096, 8192):         # 64, 256: decode batches
         x = rand(t, h)
         ids, w = co.moe_route(x, rand(e, h, scale=h ** -0.5), topk)
         base = None
@@ -283,7 +286,7 @@ def probe_moe():
                 run = lambda: tmoe._grouped_kernel(x, w, wg, wu, wd, ids=ids, local=local, cfg=cfg)  # noqa: E731
                 out = run()[0]
                 base = out if base is None else base
-                ms = bench(run, rep=100)
+                ms = _graph_ms(run)          # graph replays: the plan is capturable
                 print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: {ms:.3f} ms bits "
                       f"{'same' if torch.equal(out, base) else 'DIFF'}", flush=True)
             except Exception as ex:

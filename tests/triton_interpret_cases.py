@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as interp  # noqa: E402
 
+import consistent_ops as co  # noqa: E402
 import consistent_ops.reference as R  # noqa: E402
 import consistent_ops.triton as T  # noqa: E402
 
@@ -212,6 +213,12 @@ def test_moe_route_and_contributions(moe):
     lo, own_lo = T.moe_expert_contributions(x, ids, w, experts, [0, 1, 2])
     hi, own_hi = T.moe_expert_contributions(x, ids, w, experts, [3, 4, 5, 6, 7])
     assert torch.equal(torch.where(own_lo[..., None], lo, hi), contrib) and torch.equal(own_lo ^ own_hi, owned)
+    odd, own_odd = T.moe_expert_contributions(x, ids, w, experts, [1, 3, 6])     # not a range: lookup table
+    assert torch.equal(odd[own_odd], contrib[own_odd]) and not own_odd.all()
+    # the rollout's stacked layout (ExpertStack) is read in place: the same bits
+    stack = co.ExpertStack(*(torch.stack([experts[e][i] for e in range(E)]) for i in range(3)), range(E))
+    assert torch.equal(T.moe_expert_contributions(x, ids, w, stack)[0], contrib)
+    assert torch.equal(R.moe_expert_contributions(x, ids, w, stack)[0], contrib_ref)
 
 
 def test_moe_gradients(moe):
@@ -244,3 +251,22 @@ def test_expert_stacks_cached_in_inference_mode_only():
         with torch.no_grad():
             flat[4].mul_(-1)                                   # a weight load: bumps the version
         assert torch.equal(M._stacked(flat, 2)[2][0], flat[4])
+
+
+def test_kv_cache_write_skips_padding_slots():
+    """The Triton cache write (capturable: padding is skipped on the device) stores what the
+    reference stores, for any cache strides; slot -1 rows write nothing."""
+    k, v = rand(6, 2, 32, seed=60), rand(6, 2, 32, seed=61)
+    slots = torch.tensor([5, -1, 17, 0, -1, 31])
+    for layout in ("token-major", "head-major"):
+        caches = []
+        for backend in (T, R):
+            if layout == "token-major":
+                kc, vc = (torch.full((4, 8, 2, 32), float("nan"), dtype=BF16) for _ in range(2))
+            else:
+                kc, vc = (torch.full((4, 2, 8, 32), float("nan"), dtype=BF16).transpose(1, 2) for _ in range(2))
+            backend.write_kv_cache(k, v, kc, vc, slots)
+            caches.append((kc, vc))
+        for a, b in zip(*caches):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), layout
+        assert caches[0][0].isnan().sum() == (32 - 4) * 2 * 32

@@ -188,10 +188,12 @@ def test_moe_rows_across_tile_configs(moe):
     x = rand(8192, H, seed=23)
     ids, w = co.moe_route(x, gate, TOPK)
     full, _ = co.moe_expert_contributions(x, ids, w, experts)
-    for lo, hi in ((0, 1), (0, 2048), (100, 5100), (8000, 8192)):
+    for lo, hi in ((0, 1), (0, 64), (0, 256), (0, 257), (0, 2048), (100, 5100), (8000, 8192)):   # decode tile <= 256
         assert torch.equal(co.moe_expert_contributions(x[lo:hi], ids[lo:hi], w[lo:hi], experts)[0], full[lo:hi])
     wg, wu, wd = (torch.stack([experts[e][i] for e in range(E)]) for i in range(3))
-    for cfg in (tmoe._TILES, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
+    stack = co.ExpertStack(wg, wu, wd, range(E))       # the rollout's stacked layout: same bits
+    assert torch.equal(co.moe_expert_contributions(x[:300], ids[:300], w[:300], stack)[0], full[:300])
+    for cfg in (tmoe._TILES, tmoe._DECODE, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
         got = tmoe._grouped_kernel(x[:3000], w[:3000], wg, wu, wd, ids=ids[:3000], local=list(range(E)), cfg=cfg)
         assert torch.equal(got[0], full[:3000]), cfg[0]
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..experts import ExpertStack
 from ..reference import moe as ref_moe
 from ..reference.pointwise import silu_mul as _silu_mul_torch
 from .autograd import with_torch_grad
@@ -38,14 +39,20 @@ def _opts(block_n, block_k, warps, stages):
 
 # (BM rows of one expert per program, gate_up launch options, down launch options),
 # picked by the number of (token, slot) rows; measured on the H200 (bench_triton.py
-# --only probe). Every entry walks K in ascending BLOCK_K steps of k16 MMAs: the same bits.
+# --only probe). Every entry walks K in ascending BLOCK_K steps of k16 MMAs: the same bits
+# (tests/gpu check every entry and the switch point).
 _TILES = (128, _opts(128, 64, 8, 4), _opts(256, 64, 8, 3))    # fastest or within 3% at T 1024..8192
+_DECODE = (16, _opts(128, 64, 4, 4), _opts(128, 64, 4, 4))    # decode: a few rows per expert
+_DECODE_ROWS = 2048                                           # up to 256 tokens x top-8
 _INTERP = (128, _opts(128, 64, 8, 3), _opts(128, 64, 8, 3))   # CPU interpreter; also the fallback widths
 
 
 def _moe_config(rows):
-    """One tile set for every batch size (no switch point), rows = T * top_k."""
-    return _INTERP if _INTERPRET else _TILES
+    """Tile set by rows = T * top_k: at decode sizes an expert holds a few rows, and a
+    16-row tile streams its weights without 128-row MMAs of padding."""
+    if _INTERPRET:
+        return _INTERP
+    return _DECODE if rows <= _DECODE_ROWS else _TILES
 
 
 _SOFTMAX_WARPS = 4
@@ -153,26 +160,33 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
 _LUT = {}
 
 
-def _lut(local, device):
-    """Expert id -> local index (len(local) for experts that are not local), on the device."""
-    key = (tuple(local), str(device))
+def _local_index(flat, local):
+    """Expert id -> local index, len(local) for experts that are not local. A contiguous
+    range (how the model places experts) is arithmetic on the device; any other set goes
+    through a lookup table built once per set (a host copy: keep it out of graph capture)."""
+    n_local, lo = len(local), local[0]
+    if list(local) == list(range(lo, lo + n_local)):
+        inside = (flat >= lo) & (flat < lo + n_local)
+        return torch.where(inside, flat - lo, n_local)
+    key = (tuple(local), str(flat.device))
     lut = _LUT.get(key)
     if lut is None:
-        host = torch.full((max(local) + 1,), len(local), dtype=torch.int64)
-        host[list(local)] = torch.arange(len(local))
-        lut = _LUT[key] = host.to(device)
-    return lut
+        host = torch.full((max(local) + 1,), n_local, dtype=torch.int64)
+        host[list(local)] = torch.arange(n_local)
+        lut = _LUT[key] = host.to(flat.device)
+    return torch.where(flat < len(lut), lut[flat.clamp(max=len(lut) - 1)], n_local)
 
 
 def _plan(ids, local, n_local, bm):
     """Group the (token, slot) pairs by local expert (group n_local: not local, sorted
     last): sort order, per-expert counts, and the tile table (expert, first row, row end;
-    expert n_local = zero tile, -1 = idle) for a grid of an upper-bound size."""
-    lut = _lut(local, ids.device)
+    expert n_local = zero tile, -1 = idle) for a grid of an upper-bound size. Built on the
+    device with shapes known from ids alone: no sync, so it captures in a CUDA graph."""
     flat = ids.reshape(-1)
-    key = torch.where(flat < len(lut), lut[flat.clamp(max=len(lut) - 1)], n_local)
+    key = _local_index(flat, local)
     order = torch.argsort(key, stable=True)            # expert-major, token order inside
-    counts = torch.bincount(key, minlength=n_local + 1)[:n_local + 1]
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))                   # bincount without its size sync
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
@@ -291,9 +305,12 @@ def _stacked(flat, n):
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32 (zeros for slots whose expert is not local) and owned [T, k].
-    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]). The experts are stacked
-    for the grouped kernels (cached while the tensors are unchanged, see the module doc)."""
+    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]). An ExpertStack is read as it
+    is (the rollout); other experts are stacked for the grouped kernels (cached while the
+    tensors are unchanged, see the module doc)."""
     local = list(range(len(experts))) if local_experts is None else sorted(int(e) for e in local_experts)
+    if isinstance(experts, ExpertStack) and experts.local == local:   # the stacks as they are
+        return grouped_expert_contributions(x, ids, weights, experts.gate, experts.up, experts.down, local)
     g, u, d = zip(*map(experts.__getitem__, local))
     flat = g + u + d
     if torch.is_grad_enabled() and any(map(operator.attrgetter("requires_grad"), flat)):
