@@ -270,3 +270,40 @@ def test_kv_cache_write_skips_padding_slots():
         for a, b in zip(*caches):
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), layout
         assert caches[0][0].isnan().sum() == (32 - 4) * 2 * 32
+
+
+def fused_cases():
+    """Inputs for the fused router / RoPE / combine kernels, with exact ties in the router."""
+    logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(70))
+    logits[3] = 0.5                                            # all experts tie: ids 0, 1
+    logits[5, 2] = logits[5, 6] = logits[5].max() + 1          # a tie at the top: 2 before 6
+    x = rand(40, 4, 32, seed=71)
+    cos, sin = R.rope_cos_sin(torch.arange(40) * 37, 32, 1e6)
+    return logits, x, cos, sin, torch.randn(40, 2, 128, generator=torch.Generator().manual_seed(72))
+
+
+def torch_route(M, logits, k):
+    probs = M._softmax_rows(logits)
+    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = torch.gather(probs, 1, ids)
+    total = w[:, 0]
+    for j in range(1, k):
+        total = total + w[:, j]
+    return ids, w / total[:, None]
+
+
+def test_fused_router_rope_combine_equal_their_torch_forms():
+    """One kernel each (rollout), the same bits as the torch ops they replace (which the
+    trainer's autograd path runs): router softmax + top-k (ties to the lower id) + renorm,
+    RoPE, the slot-ordered combine."""
+    from consistent_ops.triton import moe as M
+    logits, x, cos, sin, contrib = fused_cases()
+    ids, w = M._route_fused(logits, 2, True)
+    ids_t, w_t = torch_route(M, logits, 2)
+    assert torch.equal(ids, ids_t) and torch.equal(w, w_t)
+    assert ids[3].tolist() == [0, 1] and ids[5].tolist() == [2, 6]
+    assert torch.equal(T.apply_rope(x, cos, sin), R.apply_rope(x, cos, sin))
+    assert torch.equal(T.moe_combine(contrib, BF16), R.moe_combine(contrib, BF16))
+    xg, cg = x.clone().requires_grad_(), contrib.clone().requires_grad_()
+    (T.apply_rope(xg, cos, sin).float().sum() + T.moe_combine(cg, torch.float32).sum()).backward()
+    assert xg.grad is not None and torch.equal(cg.grad, torch.ones_like(cg))

@@ -71,3 +71,29 @@ def test_graph_replays_equal_eager_and_trainer(model, tokens, train_logits):
                                co.token_logprobs(train[rows], nxt, TEMP, VLIM))
         checked += len(step)
     assert checked == DECODE * len(LENS)            # every decoded token, through graphs of sizes 1, 4 and 8
+
+
+@torch.no_grad()
+def test_logprobs_capture_with_per_row_temperatures():
+    """The contract's log-probs (vLLM computes them after the forward) capture too: per-row
+    fp32 temperatures in a persistent buffer; replays with new logits, tokens and
+    temperatures equal eager calls bit for bit."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    logits = torch.empty(8, 151936, device=DEV)
+    toks = torch.zeros(8, dtype=torch.long, device=DEV)
+    temps = torch.ones(8, device=DEV)
+
+    def run():
+        return co.log_softmax(logits, temps, VLIM), co.token_logprobs(logits, toks, temps, VLIM)
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(3):
+        logits.copy_(torch.randn(logits.shape, generator=g, device=DEV) * 4)
+        toks.copy_(torch.randint(0, VLIM, (8,), generator=g, device=DEV))
+        temps.copy_(torch.rand(8, generator=g, device=DEV) + 0.3)
+        graph.replay()
+        for got, ref in zip(out, run()):
+            assert torch.equal(got, ref)

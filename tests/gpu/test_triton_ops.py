@@ -211,3 +211,27 @@ def test_moe_stack_cache_follows_in_place_updates(moe):
         b = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
     fresh = {e: tuple(t.clone() for t in ws) for e, ws in ex.items()}
     assert not torch.equal(a, b) and torch.equal(b, co.moe_expert_contributions(x[:64], ids, w, fresh)[0])
+
+
+# ---------------------------------------------------------------- fused rollout kernels
+def test_fused_router_rope_combine_equal_their_torch_forms(moe):
+    """The rollout's one-kernel router (softmax + top-8 with ties to the lower id + renorm),
+    RoPE and slot-ordered combine give the bits of the torch ops the trainer's autograd
+    path runs, at Qwen3-30B-A3B shapes."""
+    from consistent_ops.triton import moe as tmoe
+    x, gate, _ = moe
+    logits = co.linear(x, gate, out_dtype=torch.float32).contiguous()
+    logits[7] = 0.25                                              # an all-tie row
+    probs = tmoe._softmax_rows(logits)
+    ids_t = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :TOPK]
+    w_t = torch.gather(probs, 1, ids_t)
+    total = w_t[:, 0]
+    for j in range(1, TOPK):
+        total = total + w_t[:, j]
+    ids, w = tmoe._route_fused(logits, TOPK, True)
+    assert torch.equal(ids, ids_t) and torch.equal(w, w_t / total[:, None]) and ids[7].tolist() == list(range(TOPK))
+    q = rand(4096, 32, 128, seed=40)
+    cos, sin = ref.rope_cos_sin(torch.arange(4096, device=DEV) * 3, 128, 1e6)
+    assert torch.equal(co.apply_rope(q, cos, sin), ref.apply_rope(q, cos, sin))
+    contrib = torch.randn(4096, TOPK, H, device=DEV)
+    assert torch.equal(co.moe_combine(contrib, BF16), ref.moe_combine(contrib, BF16))

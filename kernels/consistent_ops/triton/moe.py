@@ -130,6 +130,46 @@ def _down_kernel(Hin, Order, TileE, TileRow0, TileRowEnd, Wd, RouteW, Out, K, NL
     tl.store(Out + slot[:, None] * stride_o + n[None, :], acc * w[:, None], mask=live[:, None])
 
 
+@triton.jit
+def _route_kernel(L, Ids, W, E, stride, TOPK: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """The whole router of one token after its logits: the softmax of _softmax_kernel, the
+    top-k by descending probability with ties to the lower expert id (what a stable
+    descending sort puts first), the weights renormalised by their fp32 sum in slot order."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(L + row * stride + cols, mask=cols < E, other=float("-inf"))
+    e = tl.exp((x - tl.max(x, 0)).to(tl.float64)).to(tl.float32)
+    p = tl.where(cols < E, tl.div_rn(e, tl.sum(e, 0)), float("-inf"))
+    slots = tl.arange(0, KB)
+    ids = tl.zeros([KB], tl.int32)
+    w = tl.zeros([KB], tl.float32)
+    total = 0.0                                   # 0 + w0 = w0 exactly: the slot-order sum
+    for j in tl.static_range(TOPK):
+        best = tl.max(p, 0)
+        pick = tl.minimum(tl.min(tl.where(p == best, cols, BLOCK), 0), E - 1)   # a NaN row still names an expert
+        wj = tl.sum(tl.where(cols == pick, p, 0.0), 0)                          # p[pick], exactly
+        ids = tl.where(slots == j, pick, ids)
+        w = tl.where(slots == j, wj, w)
+        total = total + wj
+        p = tl.where(cols == pick, float("-inf"), p)
+    if NORM:
+        w = tl.div_rn(w, total)
+    tl.store(Ids + row * TOPK + slots, ids.to(tl.int64), mask=slots < TOPK)
+    tl.store(W + row * TOPK + slots, w, mask=slots < TOPK)
+
+
+def _route_fused(logits, top_k, norm_topk_prob):
+    t, e = logits.shape
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, KB=triton.next_power_of_2(top_k),
+                            NORM=bool(norm_topk_prob), BLOCK=triton.next_power_of_2(e), num_warps=_SOFTMAX_WARPS,
+                            **EXACT)
+    return ids, weights
+
+
 def _softmax_rows(logits):
     p = torch.empty_like(logits)
     _softmax_kernel[(logits.shape[0],)](logits, p, logits.shape[1], logits.stride(0),
@@ -146,6 +186,8 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
     """Router: fp32 logits (invariant linear), fp32 softmax, top-k with ties to the
     lower expert id (stable sort: exact, no arithmetic). Returns (ids int64, weights fp32)."""
     logits = linear(x, gate_weight, out_dtype=torch.float32).contiguous()
+    if not (torch.is_grad_enabled() and logits.requires_grad):   # rollout / no-grad: one kernel
+        return _route_fused(logits, top_k, norm_topk_prob)
     probs = with_torch_grad(_softmax_rows, _softmax_formula, (logits,))
     ids = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = torch.gather(probs, 1, ids)
@@ -320,6 +362,29 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     return grouped_expert_contributions(x, ids, weights, wg, wu, wd, local)
 
 
+@triton.jit
+def _combine_kernel(C, Out, H, stride_t, stride_k, stride_o, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """Slots 0..k-1 added in order in fp32 (as the reference's elementwise adds), rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = h < H
+    acc = tl.load(C + t * stride_t + h, mask=live)
+    for j in tl.static_range(1, TOPK):
+        acc = acc + tl.load(C + t * stride_t + j * stride_k + h, mask=live)
+    tl.store(Out + t * stride_o + h, acc.to(Out.dtype.element_ty), mask=live)
+
+
+def _combine(contrib, out_dtype):
+    t, k, h = contrib.shape
+    c = contrib if contrib.stride(-1) == 1 else contrib.contiguous()
+    out = torch.empty((t, h), dtype=out_dtype, device=contrib.device)
+    if t:
+        _combine_kernel[(t, triton.cdiv(h, 1024))](c, out, h, c.stride(0), c.stride(1), out.stride(0),
+                                                  TOPK=k, BLOCK=1024, num_warps=4, **EXACT)
+    return out
+
+
 def moe_combine(contrib, out_dtype):
-    """Slot order 0..k-1, fp32 elementwise adds (no reduction kernel), one rounding."""
-    return ref_moe.moe_combine(contrib, out_dtype)
+    """Slot order 0..k-1, fp32 elementwise adds, one rounding (one kernel; the reference's
+    torch adds, which give the same bits, supply the gradient)."""
+    return with_torch_grad(_combine, ref_moe.moe_combine, (contrib,), out_dtype=out_dtype)

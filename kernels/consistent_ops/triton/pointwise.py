@@ -8,7 +8,7 @@ Row-parallel partial sums are combined by elementwise adds in rank order (no
 reduction kernel). Each of these captures in a CUDA graph (no host syncs).
 """
 from ..reference.linear import finish_row_parallel, ordered_sum
-from ..reference.pointwise import apply_rope, embedding, rope_cos_sin, silu_mul
+from ..reference.pointwise import embedding, rope_cos_sin, silu_mul
 
-__all__ = ["apply_rope", "embedding", "finish_row_parallel", "ordered_sum", "rope_cos_sin",
+__all__ = ["embedding", "finish_row_parallel", "ordered_sum", "rope_cos_sin",
            "silu_mul"]
