@@ -159,11 +159,33 @@ def _wall_ms(fn, reps=3):
     return sorted(times)[len(times) // 2]
 
 
+def _chunk_device_ms(model, toks, chunk, ctx):
+    """One prefill chunk (ctx tokens already cached) as a graph replay: its device time,
+    to tell the host's launch cost in the eager numbers apart."""
+    runner = ModelRunner(model, pages=(ctx + chunk) // PAGE + 8, page_size=PAGE)
+    runner.kv.plan([(0, ctx)])
+    step = runner.kv.plan([(0, chunk)])
+
+    def run():
+        hidden = model.model(toks[:chunk], step[1], lambda i, q, k, v: runner.kv.attend(i, q, k, v, step))
+        return model.compute_logits(hidden[-1:])
+    with torch.no_grad():
+        eager = _median_ms(run, 5)
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return eager, _median_ms(graph.replay, 10)
+
+
 def prefill_cases(layers):
     n = 16384
     toks = torch.randint(0, 151643, (n,), device=DEV)
     ours = build_model(layers=layers)
     mine = {c: _wall_ms(lambda c=c: _prefill_ours(ours, toks, c)) for c in (2048, 8192)}
+    eager, replay = _chunk_device_ms(ours, toks, 2048, 8192)
+    record("prefill", f"{layers}-layer one 2k chunk at ctx 8k: eager", eager,
+           f"graph replay {replay:.1f} ms (device time; the rest is launch cost)")
     del ours
     torch.cuda.empty_cache()
     hf = build_hf_model(layers=layers, attn="sdpa")
