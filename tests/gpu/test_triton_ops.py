@@ -139,6 +139,9 @@ def test_moe_rows_independent_of_batch_and_placement(moe):
     halves = [co.moe_expert_contributions(x, ids, w, experts, range(r * 64, (r + 1) * 64)) for r in (0, 1)]
     merged = torch.where(halves[0][1][..., None], halves[0][0], halves[1][0])   # EP=2 emulation
     assert torch.equal(merged, contrib)
+    small = [co.moe_expert_contributions(x[:64], ids[:64], w[:64], experts, range(r * 64, (r + 1) * 64))
+             for r in (0, 1)]                  # decode size: the one-kernel plan, EP=2
+    assert torch.equal(torch.where(small[0][1][..., None], small[0][0], small[1][0]), contrib[:64])
     out = co.moe_combine(contrib, BF16)
     total = contrib[:, 0]
     for j in range(1, TOPK):

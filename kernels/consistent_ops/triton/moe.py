@@ -219,12 +219,68 @@ def _local_index(flat, local):
     return torch.where(flat < len(lut), lut[flat.clamp(max=len(lut) - 1)], n_local)
 
 
+@triton.jit
+def _plan_kernel(Ids, Key, Order, TileE, Row0, RowEnd, R, LO, N_TILES, NL: tl.constexpr, BM: tl.constexpr,
+                 RB: tl.constexpr, GB: tl.constexpr, TB: tl.constexpr):
+    """Program g: the rows of local expert g (g = NL: rows of experts that are not local),
+    stably in token order, and g's tiles; every program counts all groups (one histogram),
+    so no program waits for another. The last program also marks the idle tile slots."""
+    g = tl.program_id(0)
+    r = tl.arange(0, RB)
+    flat = tl.load(Ids + r, mask=r < R, other=-1)
+    key = tl.where((flat >= LO) & (flat < LO + NL), flat - LO, NL)
+    key = tl.where(r < R, key, NL + 1).to(tl.int32)            # past R: a bin no group reads
+    if g == 0:
+        tl.store(Key + r, key.to(tl.int64), mask=r < R)
+    counts = tl.histogram(key, GB)
+    bins = tl.arange(0, GB)
+    tiles = (counts + BM - 1) // BM
+    start = tl.sum(tl.where(bins < g, counts, 0), 0)
+    tile0 = tl.sum(tl.where(bins < g, tiles, 0), 0)
+    c = tl.sum(tl.where(bins == g, counts, 0), 0)
+    mine = key == g
+    tl.store(Order + start + tl.cumsum(mine.to(tl.int32), 0) - 1, r, mask=mine)
+    i = tl.arange(0, TB)
+    live = i < (c + BM - 1) // BM
+    tl.store(TileE + tile0 + i, tl.zeros([TB], tl.int32) + g, mask=live)
+    tl.store(Row0 + tile0 + i, start + i * BM, mask=live)
+    tl.store(RowEnd + tile0 + i, tl.zeros([TB], tl.int32) + start + c, mask=live)
+    if g == NL:                                                 # idle slots: no expert, no rows
+        first = tl.sum(tl.where(bins <= NL, tiles, 0), 0)
+        for t0 in range(0, N_TILES, TB):
+            j = t0 + i
+            idle = (j >= first) & (j < N_TILES)
+            tl.store(TileE + j, tl.full([TB], -1, tl.int32), mask=idle)
+            tl.store(Row0 + j, tl.zeros([TB], tl.int32), mask=idle)
+            tl.store(RowEnd + j, tl.zeros([TB], tl.int32), mask=idle)
+
+
+_PLAN_ROWS = 4096      # one kernel builds the plan up to this many (token, slot) rows
+
+
+def _plan_fused(flat, lo, n_local, bm):
+    """The plan of _plan (contiguous local range, few rows) in one launch."""
+    rows = flat.numel()
+    n_tiles = (rows + bm - 1) // bm + n_local + 1
+    dev, i32 = flat.device, torch.int32
+    key = torch.empty(rows, dtype=torch.int64, device=dev)
+    plan = dict(order=torch.empty(rows, dtype=i32, device=dev), tile_e=torch.empty(n_tiles, dtype=i32, device=dev),
+                row0=torch.empty(n_tiles, dtype=i32, device=dev), row_end=torch.empty(n_tiles, dtype=i32, device=dev))
+    _plan_kernel[(n_local + 1,)](flat, key, plan["order"], plan["tile_e"], plan["row0"], plan["row_end"], rows, lo,
+                                 n_tiles, NL=n_local, BM=bm, RB=triton.next_power_of_2(rows),
+                                 GB=triton.next_power_of_2(n_local + 2),
+                                 TB=triton.next_power_of_2((rows + bm - 1) // bm), num_warps=4)
+    return plan, key, n_tiles
+
+
 def _plan(ids, local, n_local, bm):
     """Group the (token, slot) pairs by local expert (group n_local: not local, sorted
     last): sort order, per-expert counts, and the tile table (expert, first row, row end;
     expert n_local = zero tile, -1 = idle) for a grid of an upper-bound size. Built on the
     device with shapes known from ids alone: no sync, so it captures in a CUDA graph."""
     flat = ids.reshape(-1)
+    if flat.numel() <= _PLAN_ROWS and list(local) == list(range(local[0], local[0] + n_local)):
+        return _plan_fused(flat.contiguous(), local[0], n_local, bm)
     key = _local_index(flat, local)
     order = torch.argsort(key, stable=True)            # expert-major, token order inside
     counts = torch.zeros(n_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
@@ -239,7 +295,7 @@ def _plan(ids, local, n_local, bm):
     row0 = starts[ec] + (t - (tile_end[ec] - tiles[ec])) * bm
     plan = dict(order=order.to(torch.int32), tile_e=torch.where(e <= n_local, e, -1).to(torch.int32),
                 row0=row0.to(torch.int32), row_end=(starts[ec] + counts[ec]).to(torch.int32))
-    return plan, key, counts[:n_local], n_tiles
+    return plan, key, n_tiles
 
 
 def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
@@ -257,7 +313,7 @@ def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
     if not t:
         return (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
                 torch.zeros((0, k), dtype=torch.bool, device=x.device))
-    plan, key, _, n_tiles = _plan(ids, local, n_local, bm)
+    plan, key, n_tiles = _plan(ids, local, n_local, bm)
     x = x.contiguous()
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     contrib = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)   # every slot stored
@@ -275,7 +331,8 @@ def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
 def _grouped_formula(x, weights, wg, wu, wd, *, ids, local):
     """Differentiable equivalent for the backward: torch._grouped_mm over the same groups."""
     t, k = ids.shape
-    plan, key, counts, _ = _plan(ids, local, wg.shape[0], _moe_config(t * k)[0])
+    plan, key, _ = _plan(ids, local, wg.shape[0], _moe_config(t * k)[0])
+    counts = torch.bincount(key, minlength=wg.shape[0] + 1)[:wg.shape[0]]     # backward: a sync is fine
     sel = plan["order"].long()[: int(counts.sum())]
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = x[sel // k]
