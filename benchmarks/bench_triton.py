@@ -195,6 +195,35 @@ def actor_step():
     record("actor", f"4-layer fwd+bwd {tokens} tokens", ours_ms, stock, goal=">= 1.2x (vs HF eager)")
 
 
+def actor_profile():
+    """Where the 4-layer actor step's time goes (host vs device), for issue 11: the torch
+    profiler's top ops by host time and by device time, and the launch count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from harness import build_model
+    tokens = 4096
+    ids = torch.randint(0, 151643, (tokens,), device=DEV)
+    pos = torch.arange(tokens, device=DEV)
+    model = build_model(layers=4, stacked=False)
+
+    def step():
+        logits = model.forward_packed(ids, pos)
+        (-co.token_logprobs(logits[:-1], ids[1:]).mean()).backward()
+        model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    print(f"actor profile: {launches} kernel launches per step")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    del model
+
+
 # ---------------------------------------------------------------- tile probes (--only probe)
 def _graph_ms(fn, n=20, reps=9):
     """Median ms per call of a CUDA graph of n calls (inputs as in do_bench_cudagraph)."""
@@ -315,7 +344,8 @@ def main():
           f"{__import__('triton').__version__} contract {co.contract_fingerprint()}", flush=True)
     bw = ceilings() if any(k in args.only for k in ("decode", "attention")) else 0
     steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, moe=moe,
-                 actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe)
+                 actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
+                 actor_profile=actor_profile)
     failed = []
     for key in args.only:
         try:
