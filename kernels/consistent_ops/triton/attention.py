@@ -249,10 +249,11 @@ def _check(q, hkv):
     return hq // hkv
 
 
-def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None):
-    """Launch the one forward kernel. k/v: packed [T, Hkv, D] or caches [pages, page, Hkv, D]."""
+def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None, tile=None):
+    """Launch the one forward kernel. k/v: packed [T, Hkv, D] or caches [pages, page, Hkv, D].
+    tile: (rows, warps, stages) instead of the one forward tile (probes only)."""
     g = _check(q, k.shape[-2])
-    rows, warps = _TILE
+    rows, warps, stages = tile or (*_TILE, _STAGES)
     if g > rows:
         raise NotImplementedError(f"{g} query heads per KV head: at most {rows}")
     tpt = rows // g
@@ -272,7 +273,7 @@ def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None)
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, scale,
         G=g, TPT=tpt, ROWS=rows, D=q.shape[-1], KV=KV_BLOCK, PAGE=page, PAGED=paged,
-        STORE_LSE=lse is not None, num_warps=warps, num_stages=_STAGES, **EXACT)
+        STORE_LSE=lse is not None, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
