@@ -42,7 +42,7 @@ def _opts(block_n, block_k, warps, stages):
 # --only probe). Every entry walks K in ascending BLOCK_K steps of k16 MMAs: the same bits
 # (tests/gpu check every entry and the switch point).
 _TILES = (128, _opts(128, 64, 8, 4), _opts(256, 64, 8, 3))    # fastest or within 3% at T 1024..8192
-_DECODE = (16, _opts(128, 64, 4, 4), _opts(128, 64, 4, 4))    # decode: a few rows per expert
+_DECODE = (16, _opts(128, 128, 4, 3), _opts(128, 128, 4, 3))  # decode: a few rows per expert
 _DECODE_ROWS = 2048                                           # up to 256 tokens x top-8
 _INTERP = (128, _opts(128, 64, 8, 3), _opts(128, 64, 8, 3))   # CPU interpreter; also the fallback widths
 
