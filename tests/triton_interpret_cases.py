@@ -310,18 +310,19 @@ def test_fused_router_rope_combine_equal_their_torch_forms():
 
 
 @pytest.mark.parametrize("t, k, n_exp, lo, n_local, bm", [(37, 2, 8, 3, 5, 16), (200, 8, 16, 0, 16, 16),
-                                                          (1, 8, 128, 0, 128, 16), (100, 4, 8, 4, 4, 4)])
+                                                          (1, 8, 128, 0, 128, 16), (100, 4, 8, 4, 4, 4),
+                                                          (1100, 8, 16, 0, 16, 128)])   # 8,800 rows: 3 passes
 def test_one_kernel_plan_equals_the_torch_plan(t, k, n_exp, lo, n_local, bm):
-    """The MoE plan of decode-sized batches in one launch (_plan_fused) gives the torch plan's
-    order, keys and tile table (idle tile slots: no rows either way)."""
+    """The MoE plan in one launch (_plan_fused) gives the torch plan's order, keys and tile
+    table (idle tile slots: no rows either way)."""
     from consistent_ops.triton import moe as M
     ids = torch.randint(0, n_exp, (t, k), generator=torch.Generator().manual_seed(t))
     fused, key, n_tiles = M._plan_fused(ids.reshape(-1).contiguous(), lo, n_local, bm)
-    rows, M._PLAN_ROWS = M._PLAN_ROWS, -1            # force the torch plan
+    M._FUSED_PLAN = False                            # the torch plan
     try:
         ref, key_ref, n_ref = M._plan(ids, list(range(lo, lo + n_local)), n_local, bm)
     finally:
-        M._PLAN_ROWS = rows
+        M._FUSED_PLAN = True
     live = ref["tile_e"] >= 0
     assert n_tiles == n_ref and torch.equal(key, key_ref)
     assert torch.equal(fused["order"], ref["order"]) and torch.equal(fused["tile_e"], ref["tile_e"])

@@ -223,43 +223,53 @@ def _local_index(flat, local):
 def _plan_kernel(Ids, Key, Order, TileE, Row0, RowEnd, R, LO, N_TILES, NL: tl.constexpr, BM: tl.constexpr,
                  RB: tl.constexpr, GB: tl.constexpr, TB: tl.constexpr):
     """Program g: the rows of local expert g (g = NL: rows of experts that are not local),
-    stably in token order, and g's tiles; every program counts all groups (one histogram),
-    so no program waits for another. The last program also marks the idle tile slots."""
+    stably in token order, and g's tiles. Every program counts all groups (a histogram over
+    the rows, RB at a time), so no program waits for another; the last one also marks the
+    idle tile slots. Rows are read twice per program: cheap next to the experts' weights."""
     g = tl.program_id(0)
     r = tl.arange(0, RB)
-    flat = tl.load(Ids + r, mask=r < R, other=-1)
-    key = tl.where((flat >= LO) & (flat < LO + NL), flat - LO, NL)
-    key = tl.where(r < R, key, NL + 1).to(tl.int32)            # past R: a bin no group reads
-    if g == 0:
-        tl.store(Key + r, key.to(tl.int64), mask=r < R)
-    counts = tl.histogram(key, GB)
     bins = tl.arange(0, GB)
+    counts = tl.zeros([GB], tl.int32)
+    for c0 in range(0, R, RB):
+        flat = tl.load(Ids + c0 + r, mask=c0 + r < R, other=-1)
+        key = tl.where((flat >= LO) & (flat < LO + NL), flat - LO, NL)
+        key = tl.where(c0 + r < R, key, NL + 1).to(tl.int32)          # past R: a bin no group reads
+        counts += tl.histogram(key, GB)
+        if g == 0:
+            tl.store(Key + c0 + r, key.to(tl.int64), mask=c0 + r < R)
     tiles = (counts + BM - 1) // BM
     start = tl.sum(tl.where(bins < g, counts, 0), 0)
     tile0 = tl.sum(tl.where(bins < g, tiles, 0), 0)
     c = tl.sum(tl.where(bins == g, counts, 0), 0)
-    mine = key == g
-    tl.store(Order + start + tl.cumsum(mine.to(tl.int32), 0) - 1, r, mask=mine)
-    i = tl.arange(0, TB)
-    live = i < (c + BM - 1) // BM
-    tl.store(TileE + tile0 + i, tl.zeros([TB], tl.int32) + g, mask=live)
-    tl.store(Row0 + tile0 + i, start + i * BM, mask=live)
-    tl.store(RowEnd + tile0 + i, tl.zeros([TB], tl.int32) + start + c, mask=live)
-    if g == NL:                                                 # idle slots: no expert, no rows
+    done = start
+    for c0 in range(0, R, RB):                                         # g's rows in token order
+        flat = tl.load(Ids + c0 + r, mask=c0 + r < R, other=-1)
+        key = tl.where((flat >= LO) & (flat < LO + NL), flat - LO, NL)
+        mine = (key == g) & (c0 + r < R)
+        tl.store(Order + done + tl.cumsum(mine.to(tl.int32), 0) - 1, c0 + r, mask=mine)
+        done += tl.sum(mine.to(tl.int32), 0)
+    for i0 in range(0, (c + BM - 1) // BM, TB):
+        i = i0 + tl.arange(0, TB)
+        live = i < (c + BM - 1) // BM
+        tl.store(TileE + tile0 + i, tl.zeros([TB], tl.int32) + g, mask=live)
+        tl.store(Row0 + tile0 + i, start + i * BM, mask=live)
+        tl.store(RowEnd + tile0 + i, tl.zeros([TB], tl.int32) + start + c, mask=live)
+    if g == NL:                                                        # idle slots: no expert, no rows
         first = tl.sum(tl.where(bins <= NL, tiles, 0), 0)
         for t0 in range(0, N_TILES, TB):
-            j = t0 + i
+            j = t0 + tl.arange(0, TB)
             idle = (j >= first) & (j < N_TILES)
             tl.store(TileE + j, tl.full([TB], -1, tl.int32), mask=idle)
             tl.store(Row0 + j, tl.zeros([TB], tl.int32), mask=idle)
             tl.store(RowEnd + j, tl.zeros([TB], tl.int32), mask=idle)
 
 
-_PLAN_ROWS = 4096      # one kernel builds the plan up to this many (token, slot) rows
+_PLAN_RB, _PLAN_TB = 4096, 256     # rows per pass; tile slots per store
+_FUSED_PLAN = True                 # False: the torch plan below (tests compare the two)
 
 
 def _plan_fused(flat, lo, n_local, bm):
-    """The plan of _plan (contiguous local range, few rows) in one launch."""
+    """The plan of _plan for a contiguous local expert range, in one launch."""
     rows = flat.numel()
     n_tiles = (rows + bm - 1) // bm + n_local + 1
     dev, i32 = flat.device, torch.int32
@@ -267,9 +277,8 @@ def _plan_fused(flat, lo, n_local, bm):
     plan = dict(order=torch.empty(rows, dtype=i32, device=dev), tile_e=torch.empty(n_tiles, dtype=i32, device=dev),
                 row0=torch.empty(n_tiles, dtype=i32, device=dev), row_end=torch.empty(n_tiles, dtype=i32, device=dev))
     _plan_kernel[(n_local + 1,)](flat, key, plan["order"], plan["tile_e"], plan["row0"], plan["row_end"], rows, lo,
-                                 n_tiles, NL=n_local, BM=bm, RB=triton.next_power_of_2(rows),
-                                 GB=triton.next_power_of_2(n_local + 2),
-                                 TB=triton.next_power_of_2((rows + bm - 1) // bm), num_warps=4)
+                                 n_tiles, NL=n_local, BM=bm, RB=min(_PLAN_RB, triton.next_power_of_2(rows)),
+                                 GB=triton.next_power_of_2(n_local + 2), TB=_PLAN_TB, num_warps=4)
     return plan, key, n_tiles
 
 
@@ -279,7 +288,7 @@ def _plan(ids, local, n_local, bm):
     expert n_local = zero tile, -1 = idle) for a grid of an upper-bound size. Built on the
     device with shapes known from ids alone: no sync, so it captures in a CUDA graph."""
     flat = ids.reshape(-1)
-    if flat.numel() <= _PLAN_ROWS and list(local) == list(range(local[0], local[0] + n_local)):
+    if _FUSED_PLAN and list(local) == list(range(local[0], local[0] + n_local)):   # how the model places experts
         return _plan_fused(flat.contiguous(), local[0], n_local, bm)
     key = _local_index(flat, local)
     order = torch.argsort(key, stable=True)            # expert-major, token order inside
