@@ -15,14 +15,14 @@ if [ "$(cat "$env/.stamp" 2>/dev/null)" != "$want" ]; then
   "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv --without-pip "$env"
   site=$("$env/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   # addsitedir (not a bare path line) so .venv's own .pth files (our editable install) run too.
-  echo "import site; site.addsitedir('$(realpath "$base")')" > "$site/zz_true_on_policy_base.pth"
+  echo "import site; site.addsitedir('$(realpath "$base")')" > "$site/00_true_on_policy_base.pth"
   # Work-around PY311_TYPING_OVERRIDE: bridge's megatron.training imports typing.override (3.12+).
   echo "import typing, typing_extensions; typing.override = getattr(typing, 'override', typing_extensions.override)" \
     > "$site/zz_py311_typing_override.pth"
   # Both declare Python >= 3.12 but run on 3.11 (NOTES §8); no deps: .venv provides them.
   "$env/bin/python" -m pip install -q --disable-pip-version-check --no-deps --ignore-requires-python \
     "$CORE" "$BRIDGE" 2>&1 | grep -v -E "^WARNING: (Location|Target)" || true
-  "$env/bin/python" -c "import megatron.core, megatron.bridge"
+  "$env/bin/python" -c "from true_on_policy.megatron import env; env.import_bridge()"
   echo "$want" > "$env/.stamp"
 fi
 echo "[setup_megatron] $env ready"

@@ -251,6 +251,19 @@ def adopt_output_layer(model):
     return model
 
 
+def token_logprobs(logits, labels, temperature=1.0, vocab_limit=None, tp_group=None):
+    """The contract's log-probs over the whole vocabulary from vocab-parallel fp32 logits
+    [..., V/tp]: shards concatenated in rank order (exact; backward: this rank's slice)."""
+    if _tp(tp_group)[0] > 1:
+        logits = mappings.gather_from_tensor_model_parallel_region(logits, group=tp_group)
+    v = logits.shape[-1]
+    return co.token_logprobs(logits.reshape(-1, v), labels.reshape(-1), temperature, vocab_limit).view(labels.shape)
+
+
+_BRIDGE_TYPES = {"ConsistentColumnParallelLinear": "column", "ConsistentOutputLayer": "column",
+                 "ConsistentRowParallelLinear": "row", "ConsistentRouter": "replicated"}
+
+
 def configure_provider(provider, rollout_tp=1):
     """Point a Megatron-Bridge GPT provider (Qwen3 / Qwen3-MoE) at this spec: our layers,
     RoPE inside the attention, no vocabulary padding (the rollout's vocabulary exactly),
@@ -262,6 +275,9 @@ def configure_provider(provider, rollout_tp=1):
     provider.moe_grouped_gemm = False
     provider.moe_permute_fusion = False
     provider.gradient_accumulation_fusion = False
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    for name, kind in _BRIDGE_TYPES.items():      # how bridge splits/gathers our modules' weights
+        AutoMapping.register_module_type(name, kind)
     return provider
 
 

@@ -1,0 +1,168 @@
+"""Run by tests/test_megatron.py in .venv-megatron: 2 gloo ranks build Megatron GPTModels from
+a tiny HF checkpoint through Megatron-Bridge, for each trainer layout (TP, EP) and rollout TP,
+and rank 0 writes JSON comparisons against our rollout model. Usage: CKPT OUT.json"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAYOUTS = [(2, 2), (1, 2)]      # trainer (TP, EP) on 2 ranks
+ROLLOUT_TP = [1, 2]
+LENS = {0: [5, 7, 4], 1: [3, 9, 4]}   # per data-parallel rank (TP ranks share theirs)
+
+
+def batch(dp_rank):
+    lens = LENS[dp_rank]
+    g = torch.Generator().manual_seed(dp_rank)
+    ids = torch.randint(0, 1000, (sum(lens),), generator=g)
+    return ids, torch.cat([torch.arange(n) for n in lens]), torch.tensor([0] + lens).cumsum(0).int()
+
+
+def build(path, tp, ep, rollout_tp, stock=False):
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from true_on_policy.megatron import env, spec
+    bridge_mod = env.import_bridge()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    bridge = bridge_mod.AutoBridge.from_hf_pretrained(path)
+    provider = bridge.to_megatron_provider(load_weights=False)
+    provider.tensor_model_parallel_size, provider.expert_model_parallel_size = tp, ep
+    provider.sequence_parallel = tp > 1           # Megatron requires it for MoE with TP
+    provider.use_cpu_initialization, provider.params_dtype, provider.bf16 = True, torch.bfloat16, True
+    if stock:       # Megatron's own modules (local spec; TE and the alltoall dispatcher need CUDA)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        provider.transformer_layer_spec = get_gpt_layer_local_spec(
+            provider.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
+        provider.moe_grouped_gemm, provider.moe_permute_fusion = False, False
+        provider.moe_token_dispatcher_type, provider.expert_tensor_parallel_size = "allgather", 1
+        provider.gradient_accumulation_fusion = False
+    else:
+        spec.configure_provider(provider, rollout_tp)
+    provider.finalize()
+    provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    model = provider.provide()
+    if not stock:
+        spec.adopt_output_layer(model)
+    bridge.load_hf_weights([model])
+    return model.eval(), ps
+
+
+def megatron_logits(model, ps, ids, pos, cu):
+    """Full-vocabulary fp32 logits [T, V] of this rank's (data-parallel) batch."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from consistent_ops import parallel
+    n = int((cu[1:] - cu[:-1]).max())
+    psp = None if cu is None else PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                  max_seqlen_q=n, max_seqlen_kv=n)
+    with torch.no_grad():
+        out = model(ids[None], pos[None], None, packed_seq_params=psp)[0].float()
+    return parallel.gather_concat(out, -1, ps.get_tensor_model_parallel_group())
+
+
+def grad_check(path, rank):
+    """Backward through the spec at TP=2/EP=2 (sequence parallel, one shared batch): each
+    parameter's gradient vs the single-process trainer model's (HF names), as max relative
+    error. Gradients are not a bitwise claim (reduction orders differ); this checks that the
+    spec's backward is right (shard slicing, sequence-parallel and expert exchange)."""
+    import consistent_ops as co
+    from true_on_policy.megatron import spec
+    from true_on_policy.models import ConsistentForCausalLM
+    model, ps = build(path, 2, 2, 2)
+    ids, pos, cu = batch(0)
+    labels = torch.cat([ids[1:], ids[:1]])            # any fixed targets
+    from megatron.core.packed_seq_params import PackedSeqParams
+    n = int((cu[1:] - cu[:-1]).max())
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+    logits = model(ids[None], pos[None], None, packed_seq_params=psp)[0]
+    tp_group = ps.get_tensor_model_parallel_group()
+    spec.token_logprobs(logits, labels, 0.7, tp_group=tp_group).sum().backward()
+    ref = ConsistentForCausalLM.from_pretrained(path, tp_size=2)
+    v = ref.cfg.vocab_size
+    co.token_logprobs(ref.forward_packed(ids, pos).reshape(-1, v), labels, 0.7).sum().backward()
+    g = {k: p.grad for k, p in ref.named_parameters()}
+    tp, me = 2, ps.get_tensor_model_parallel_rank()
+    first = me * (ref.cfg.num_experts // 2)
+
+    def replicated(p):             # sequence-parallel replicated params: Megatron all-reduces
+        t = p.grad.clone()
+        dist.all_reduce(t, group=tp_group)
+        return t
+
+    L = "decoder.layers.0."
+    mp = dict(model.named_parameters())
+    pairs = {
+        "router": (replicated(mp[L + "mlp.router.weight"]), g["model.layers.0.mlp.gate.weight"]),
+        "input_layernorm": (replicated(mp[L + "input_layernorm.weight"]), g["model.layers.0.input_layernorm.weight"]),
+        "q_layernorm": (replicated(mp[L + "self_attention.q_layernorm.weight"]),
+                        g["model.layers.0.self_attn.q_norm.weight"]),
+        "linear_proj": (mp[L + "self_attention.linear_proj.weight"].grad,
+                        g["model.layers.0.self_attn.o_proj.weight"].chunk(tp, 1)[me]),
+        "expert_fc2": (mp[L + "mlp.experts.local_experts.1.linear_fc2.weight"].grad,
+                       g[f"model.layers.0.mlp.experts.{first + 1}.down_proj.weight"]),
+        "output_layer": (mp["output_layer.weight"].grad, g["lm_head.weight"].chunk(tp, 0)[me]),
+        "embedding": (mp["embedding.word_embeddings.weight"].grad, g["model.embed_tokens.weight"].chunk(tp, 0)[me]),
+    }
+    return {k: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for k, (a, b) in pairs.items()}
+
+
+def rank_main(rank, world, port, path, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from true_on_policy.megatron import env
+    env.import_bridge()
+    env.apply_cpu_workarounds()
+    from true_on_policy.models import ConsistentForCausalLM
+    sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import PagedCache, paged_step
+    results = []
+    for tp, ep in LAYOUTS:
+        for rollout_tp in ROLLOUT_TP:
+            model, ps = build(path, tp, ep, rollout_tp)
+            dp = ps.get_data_parallel_rank()
+            ids, pos, cu = batch(dp)
+            got = megatron_logits(model, ps, ids, pos, cu)
+            ref = ConsistentForCausalLM.from_pretrained(path, tp_size=rollout_tp).eval()
+            with torch.no_grad():
+                want = ref.forward_packed(ids, pos)
+                cache = PagedCache(ref.cfg, page_size=4)
+                chunks = [(i, ids[a:b], 0) for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+                rollout = paged_step(ref, cache, chunks)
+            results.append(dict(tp=tp, ep=ep, rollout_tp=rollout_tp, rank=rank,
+                                max_abs_diff=(got - want).abs().max().item(), equal=torch.equal(got, want),
+                                equal_paged_rollout=torch.equal(got, rollout)))
+    results.append(dict(grads=grad_check(path, rank), rank=rank))
+    # Companion: stock Megatron modules at TP=1/EP=2 on one unpacked sequence (its local
+    # attention cannot run packed sequences, its torch norm refuses sequence parallel).
+    model, ps = build(path, 1, 2, 1, stock=True)
+    ids, pos, _ = batch(0)
+    from consistent_ops import parallel
+    causal = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool).triu(1)[None, None]  # True: masked
+    with torch.no_grad():
+        out = model(ids[None], pos[None], causal)[0].float()
+    got = parallel.gather_concat(out, -1, ps.get_tensor_model_parallel_group())
+    with torch.no_grad():
+        want = ConsistentForCausalLM.from_pretrained(path, tp_size=1).eval().forward_packed(
+            ids, torch.arange(ids.numel()))
+    results.append(dict(stock=True, tp=1, ep=2, rollout_tp=1, rank=rank,
+                        max_abs_diff=(got - want).abs().max().item(), equal=torch.equal(got, want)))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump([r for rs in gathered for r in rs], f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(2, port, sys.argv[1], sys.argv[2]), nprocs=2, join=True)
