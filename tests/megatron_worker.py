@@ -1,6 +1,7 @@
 """Run by tests/test_megatron.py in .venv-megatron: 2 gloo ranks build Megatron GPTModels from
-a tiny HF checkpoint through Megatron-Bridge, for each trainer layout (TP, EP) and rollout TP,
-and rank 0 writes JSON comparisons against our rollout model. Usage: CKPT OUT.json"""
+tiny HF checkpoints (Qwen3-MoE, Qwen3 dense) through Megatron-Bridge, for each trainer layout
+(TP, EP) and rollout TP; rank 0 writes JSON comparisons against our rollout model.
+Usage: MOE_CKPT DENSE_CKPT OUT.json"""
 import json
 import os
 import sys
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LAYOUTS = [(2, 2), (1, 2)]      # trainer (TP, EP) on 2 ranks
+LAYOUTS = {"moe": [(2, 2), (1, 2)], "dense": [(2, 1)]}      # trainer (TP, EP) on 2 ranks
 ROLLOUT_TP = [1, 2]
 LENS = {0: [5, 7, 4], 1: [3, 9, 4]}   # per data-parallel rank (TP ranks share theirs)
 
@@ -51,7 +52,7 @@ def build(path, tp, ep, rollout_tp, stock=False):
     if not stock:
         spec.adopt_output_layer(model)
     bridge.load_hf_weights([model])
-    return model.eval(), ps
+    return model.eval(), ps, bridge
 
 
 def megatron_logits(model, ps, ids, pos, cu):
@@ -66,15 +67,22 @@ def megatron_logits(model, ps, ids, pos, cu):
     return parallel.gather_concat(out, -1, ps.get_tensor_model_parallel_group())
 
 
-def grad_check(path, rank):
-    """Backward through the spec at TP=2/EP=2 (sequence parallel, one shared batch): each
-    parameter's gradient vs the single-process trainer model's (HF names), as max relative
-    error. Gradients are not a bitwise claim (reduction orders differ); this checks that the
-    spec's backward is right (shard slicing, sequence-parallel and expert exchange)."""
+def train_step_check(path):
+    """At TP=2/EP=2 (sequence parallel, one shared batch): (1) backward through the spec:
+    gradients vs the single-process trainer model's (HF names), as max relative error (not
+    a bitwise claim: reduction orders differ; it checks shard slicing, sequence-parallel and
+    expert-exchange backward); (2) weight export: bridge's HF export equals the checkpoint,
+    and after a sign-SGD step the exported weights, loaded into the rollout model, give
+    Megatron's new logits bitwise."""
+    from safetensors.torch import load_file
     import consistent_ops as co
     from true_on_policy.megatron import spec
     from true_on_policy.models import ConsistentForCausalLM
-    model, ps = build(path, 2, 2, 2)
+    model, ps, bridge = build(path, 2, 2, 2)
+    export = lambda: {k: v.clone() for k, v in bridge.export_hf_weights([model], cpu=True, show_progress=False)}
+    disk = load_file(os.path.join(path, "model.safetensors"))
+    before = export()
+    export_exact = sorted(before) == sorted(disk) and all(torch.equal(before[k], disk[k]) for k in disk)
     ids, pos, cu = batch(0)
     labels = torch.cat([ids[1:], ids[:1]])            # any fixed targets
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -109,10 +117,25 @@ def grad_check(path, rank):
         "output_layer": (mp["output_layer.weight"].grad, g["lm_head.weight"].chunk(tp, 0)[me]),
         "embedding": (mp["embedding.word_embeddings.weight"].grad, g["model.embed_tokens.weight"].chunk(tp, 0)[me]),
     }
-    return {k: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for k, (a, b) in pairs.items()}
+    grads = {k: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for k, (a, b) in pairs.items()}
+    with torch.no_grad():        # a sign-SGD step (sequence-parallel grads all-reduced, as Megatron does)
+        for p in model.parameters():
+            if p.grad is not None:
+                if getattr(p, "sequence_parallel", False):
+                    dist.all_reduce(p.grad, group=tp_group)
+                p.add_(p.grad.sign(), alpha=-0.01)
+    after = export()
+    rollout = ConsistentForCausalLM(ref.cfg, tp_size=2).eval()
+    rollout.load_weights(after.items())
+    with torch.no_grad():
+        got = megatron_logits(model, ps, ids, pos, cu)
+        want = rollout.forward_packed(ids, pos)
+    return dict(grads=grads, export_exact=export_exact,
+                changed=sum(not torch.equal(after[k], disk[k]) for k in disk), total=len(disk),
+                synced_equal=torch.equal(got, want), synced_max_abs_diff=(got - want).abs().max().item())
 
 
-def rank_main(rank, world, port, path, out_path):
+def rank_main(rank, world, port, path, dense_path, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from true_on_policy.megatron import env
@@ -122,25 +145,26 @@ def rank_main(rank, world, port, path, out_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from helpers import PagedCache, paged_step
     results = []
-    for tp, ep in LAYOUTS:
+    for arch, tp, ep in [(a, *layout) for a, layouts in LAYOUTS.items() for layout in layouts]:
+        ckpt = path if arch == "moe" else dense_path
         for rollout_tp in ROLLOUT_TP:
-            model, ps = build(path, tp, ep, rollout_tp)
+            model, ps, _ = build(ckpt, tp, ep, rollout_tp)
             dp = ps.get_data_parallel_rank()
             ids, pos, cu = batch(dp)
             got = megatron_logits(model, ps, ids, pos, cu)
-            ref = ConsistentForCausalLM.from_pretrained(path, tp_size=rollout_tp).eval()
+            ref = ConsistentForCausalLM.from_pretrained(ckpt, tp_size=rollout_tp).eval()
             with torch.no_grad():
                 want = ref.forward_packed(ids, pos)
                 cache = PagedCache(ref.cfg, page_size=4)
                 chunks = [(i, ids[a:b], 0) for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
                 rollout = paged_step(ref, cache, chunks)
-            results.append(dict(tp=tp, ep=ep, rollout_tp=rollout_tp, rank=rank,
+            results.append(dict(arch=arch, tp=tp, ep=ep, rollout_tp=rollout_tp, rank=rank,
                                 max_abs_diff=(got - want).abs().max().item(), equal=torch.equal(got, want),
                                 equal_paged_rollout=torch.equal(got, rollout)))
-    results.append(dict(grads=grad_check(path, rank), rank=rank))
+    results.append(dict(train_step=train_step_check(path), rank=rank))
     # Companion: stock Megatron modules at TP=1/EP=2 on one unpacked sequence (its local
     # attention cannot run packed sequences, its torch norm refuses sequence parallel).
-    model, ps = build(path, 1, 2, 1, stock=True)
+    model, ps, _ = build(path, 1, 2, 1, stock=True)
     ids, pos, _ = batch(0)
     from consistent_ops import parallel
     causal = torch.ones(ids.numel(), ids.numel(), dtype=torch.bool).triu(1)[None, None]  # True: masked
@@ -165,4 +189,4 @@ if __name__ == "__main__":
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(2, port, sys.argv[1], sys.argv[2]), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, port, *sys.argv[1:4]), nprocs=2, join=True)

@@ -1,9 +1,10 @@
 """verl's Megatron actor under TRUE_ON_POLICY=1, unit level: Megatron GPTModels built by
 Megatron-Bridge from the tiny Qwen3-MoE checkpoint with our layer spec, on 2 gloo ranks,
 trainer TP=2/EP=2 (sequence parallel) and TP=1/EP=2 (data parallel, different batches per
-rank), give the rollout model's logits at rollout TP 1 and 2 BITWISE (packed trainer path and
+rank), and the tiny Qwen3 dense (tied embeddings) at TP=2, give the rollout model's logits at rollout TP 1 and 2 BITWISE (packed trainer path and
 the paged rollout path); stock Megatron modules differ (companion); the spec's backward
-matches the trainer model's gradients. Runs in .venv-megatron (scripts/setup_megatron.sh);
+matches the trainer model's gradients; bridge's weight export is exact, and after a training
+step the exported weights give the rollout model Megatron's logits bitwise. Runs in .venv-megatron (scripts/setup_megatron.sh);
 skipped where that environment is absent."""
 import json
 import subprocess
@@ -19,22 +20,24 @@ pytestmark = pytest.mark.skipif(not PY.exists(), reason="no .venv-megatron (run 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron")
-    ckpt, out = tmp / "tiny-moe", tmp / "out.json"
-    subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "true_on_policy.make_tiny_model",
-                    "--arch", "qwen3_moe", "--out", str(ckpt), "--num-layers", "2", "--hidden-size", "128",
-                    "--head-dim", "32", "--init-std", "0.08"], check=True, capture_output=True)
-    proc = subprocess.run([str(PY), str(ROOT / "tests" / "megatron_worker.py"), str(ckpt), str(out)],
+    out = tmp / "out.json"
+    for arch in ("qwen3_moe", "qwen3"):
+        subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "true_on_policy.make_tiny_model",
+                        "--arch", arch, "--out", str(tmp / arch), "--num-layers", "2", "--hidden-size", "128",
+                        "--head-dim", "32", "--init-std", "0.08"], check=True, capture_output=True)
+    proc = subprocess.run([str(PY), str(ROOT / "tests" / "megatron_worker.py"), str(tmp / "qwen3_moe"),
+                           str(tmp / "qwen3"), str(out)],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode:
         pytest.fail(f"megatron_worker.py failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 2), (1, 2)])
+@pytest.mark.parametrize("arch, tp, ep", [("moe", 2, 2), ("moe", 1, 2), ("dense", 2, 1)])
 @pytest.mark.parametrize("rollout_tp", [1, 2])
-def test_megatron_logits_bitwise_equal_rollout(results, tp, ep, rollout_tp):
-    rows = [r for r in results if r.get("tp") == tp and r.get("ep") == ep and r.get("rollout_tp") == rollout_tp
-            and not r.get("stock")]
+def test_megatron_logits_bitwise_equal_rollout(results, arch, tp, ep, rollout_tp):
+    rows = [r for r in results if r.get("arch") == arch and r.get("tp") == tp and r.get("ep") == ep
+            and r.get("rollout_tp") == rollout_tp]
     assert len(rows) == 2                                        # both ranks
     for r in rows:
         assert r["max_abs_diff"] == 0.0 and r["equal"] and r["equal_paged_rollout"], r
@@ -46,7 +49,14 @@ def test_stock_megatron_differs(results):
 
 
 def test_spec_backward_matches_trainer_gradients(results):
-    rows = [r["grads"] for r in results if "grads" in r]
+    rows = [r["train_step"]["grads"] for r in results if "train_step" in r]
     assert len(rows) == 2
     for grads in rows:      # bf16 gradients, different reduction orders: a few bf16 ulps
         assert grads and all(err < 0.05 for err in grads.values()), grads
+
+
+def test_weight_export_exact_and_synced_rollout_bitwise_after_step(results):
+    for r in [r["train_step"] for r in results if "train_step" in r]:
+        assert r["export_exact"], r                          # HF -> Megatron -> HF round trip
+        assert r["changed"] > r["total"] // 2, r             # the step changed the weights
+        assert r["synced_equal"] and r["synced_max_abs_diff"] == 0.0, r

@@ -144,7 +144,7 @@ class ConsistentAttention(MegatronModule):
 class ConsistentMLP(MLP):
     """Dense SwiGLU MLP: Megatron's fc1 (gate and up shards stacked) and fc2 parameters."""
 
-    def forward(self, hidden_states, per_token_scale=None):
+    def forward(self, hidden_states, **_):
         gate, up = self.linear_fc1(hidden_states)[0].chunk(2, -1)
         return self.linear_fc2(co.silu_mul(gate, up))
 
