@@ -22,6 +22,13 @@ def batch(dp_rank):
     return ids, torch.cat([torch.arange(n) for n in lens]), torch.tensor([0] + lens).cumsum(0).int()
 
 
+def fresh_attention_env():
+    """Each GPTModel asserts the NVTE_* variables its attention_backend sets (TE's, unused by
+    our spec) are unset or its own; models of different backends are built in one process here."""
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
+
+
 def build(path, tp, ep, rollout_tp, stock=False):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -29,6 +36,7 @@ def build(path, tp, ep, rollout_tp, stock=False):
     from true_on_policy.megatron import env, spec
     bridge_mod = env.import_bridge()
     ps.destroy_model_parallel()
+    fresh_attention_env()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -135,6 +143,44 @@ def train_step_check(path):
                 synced_equal=torch.equal(got, want), synced_max_abs_diff=(got - want).abs().max().item())
 
 
+def engine_check(path, tp, ep):
+    """verl 0.9.1's own Megatron engine (our registered subclass, forward-only), through
+    ``infer_batch`` at T=0.7: its log-probs == the rollout model's, bitwise."""
+    import consistent_ops as co
+    from megatron.core import parallel_state as ps
+    from tensordict import TensorDict
+    from verl.trainer.config import CheckpointConfig
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
+    from true_on_policy import hf_model
+    from true_on_policy.megatron import verl_engine
+    from true_on_policy.models import ConsistentForCausalLM
+    verl_engine.install()
+    ps.destroy_model_parallel()
+    fresh_attention_env()
+    engine = verl_engine.TrueOnPolicyMegatronEngine(
+        HFModelConfig(path=path, override_config={hf_model.TP_ATTR: tp}),
+        McoreEngineConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                          expert_tensor_parallel_size=1, sequence_parallel=tp > 1, forward_only=True),
+        McoreOptimizerConfig(lr=1e-5), CheckpointConfig())
+    engine.initialize()
+    ids, pos, cu = batch(ps.get_data_parallel_rank())
+    seqs = [ids[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    nested = lambda ts: torch.nested.nested_tensor(ts, layout=torch.jagged)
+    data = TensorDict({"input_ids": nested(seqs), "loss_mask": nested([torch.ones_like(t) for t in seqs]),
+                       "temperature": torch.full((len(seqs),), 0.7)}, batch_size=[len(seqs)])
+    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=len(seqs), calculate_entropy=False)
+    got = engine.infer_batch(data)["model_output"]["log_probs"].unbind()
+    ref = ConsistentForCausalLM.from_pretrained(path, tp_size=tp).eval()
+    limit = hf_model._tokenizer_length(path)
+    with torch.no_grad():
+        logits = ref.forward_packed(ids, pos)
+    want = [co.token_logprobs(logits[a:b - 1], ids[a + 1:b], 0.7, limit) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    diff = max((g[:-1] - w).abs().max().item() for g, w in zip(got, want))    # last: no next token
+    return dict(engine=True, tp=tp, ep=ep, max_abs_diff=diff,
+                equal=all(torch.equal(g[:-1], w) for g, w in zip(got, want)))
+
+
 def rank_main(rank, world, port, path, dense_path, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -162,6 +208,8 @@ def rank_main(rank, world, port, path, dense_path, out_path):
                                 max_abs_diff=(got - want).abs().max().item(), equal=torch.equal(got, want),
                                 equal_paged_rollout=torch.equal(got, rollout)))
     results.append(dict(train_step=train_step_check(path), rank=rank))
+    for tp, ep in LAYOUTS["moe"]:
+        results.append(dict(engine_check(path, tp, ep), rank=rank))
     # Companion: stock Megatron modules at TP=1/EP=2 on one unpacked sequence (its local
     # attention cannot run packed sequences, its torch norm refuses sequence parallel).
     model, ps, _ = build(path, 1, 2, 1, stock=True)

@@ -4,7 +4,8 @@ trainer TP=2/EP=2 (sequence parallel) and TP=1/EP=2 (data parallel, different ba
 rank), and the tiny Qwen3 dense (tied embeddings) at TP=2, give the rollout model's logits at rollout TP 1 and 2 BITWISE (packed trainer path and
 the paged rollout path); stock Megatron modules differ (companion); the spec's backward
 matches the trainer model's gradients; bridge's weight export is exact, and after a training
-step the exported weights give the rollout model Megatron's logits bitwise. Runs in .venv-megatron (scripts/setup_megatron.sh);
+step the exported weights give the rollout model Megatron's logits bitwise; verl 0.9.1's own
+Megatron engine (our registered subclass) computes the rollout's log-probs (infer_batch). Runs in .venv-megatron (scripts/setup_megatron.sh);
 skipped where that environment is absent."""
 import json
 import subprocess
@@ -60,3 +61,9 @@ def test_weight_export_exact_and_synced_rollout_bitwise_after_step(results):
         assert r["export_exact"], r                          # HF -> Megatron -> HF round trip
         assert r["changed"] > r["total"] // 2, r             # the step changed the weights
         assert r["synced_equal"] and r["synced_max_abs_diff"] == 0.0, r
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 2), (1, 2)])
+def test_verl_megatron_engine_logprobs_bitwise_equal_rollout(results, tp, ep):
+    rows = [r for r in results if r.get("engine") and r["tp"] == tp and r["ep"] == ep]
+    assert len(rows) == 2 and all(r["equal"] and r["max_abs_diff"] == 0.0 for r in rows), rows

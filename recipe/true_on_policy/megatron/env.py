@@ -3,6 +3,7 @@
 Only needed where ``transformer_engine`` cannot be imported; with it installed (GPU) nothing
 here changes anything.
 """
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -84,3 +85,42 @@ def apply_cpu_workarounds():
     torch.cuda.manual_seed = torch.manual_seed
     random._get_cuda_rng_state = lambda *args, clone=False, **kwargs: torch.get_rng_state()
     random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+def cpu_provider_settings():
+    """Provider fields a CPU run needs (none where CUDA exists). CPU_INITIALIZATION: the
+    model is built on the CPU instead of being moved to ``torch.cuda.current_device()``."""
+    return {} if torch.cuda.is_available() else dict(use_cpu_initialization=True)
+
+
+def cpu_provider(provider):
+    """CPU_INITIALIZATION for ``provide_distributed_model`` (its own argument, default off)."""
+    if not torch.cuda.is_available():
+        provider.provide_distributed_model = functools.partial(provider.provide_distributed_model,
+                                                               use_cpu_initialization=True)
+    return provider
+
+
+class CudaIsCpu(torch.overrides.TorchFunctionMode):
+    """Work-around CUDA_DEVICE_ARG_IS_CPU: megatron-core's schedules and optimizer create
+    tensors with a literal ``device="cuda"``; inside this mode (entered only on CPU, around
+    the engine's steps) such a tensor is made on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def on_cpu(method):
+    """``method`` run inside CudaIsCpu where CUDA is absent (unchanged where it exists)."""
+    if torch.cuda.is_available():
+        return method
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with CudaIsCpu():
+            return method(*args, **kwargs)
+    return wrapper

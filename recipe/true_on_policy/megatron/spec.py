@@ -264,17 +264,19 @@ _BRIDGE_TYPES = {"ConsistentColumnParallelLinear": "column", "ConsistentOutputLa
                  "ConsistentRowParallelLinear": "row", "ConsistentRouter": "replicated"}
 
 
+# Provider fields for this spec: RoPE inside the attention, the rollout's vocabulary exactly
+# (no padding), experts whole (expert TP 1) as per-expert parameters (SequentialMLP's names),
+# no fused kernels (they are Transformer Engine's or Apex's).
+PROVIDER_SETTINGS = dict(position_embedding_type="none", should_pad_vocab=False, expert_tensor_parallel_size=1,
+                         moe_grouped_gemm=False, moe_permute_fusion=False, gradient_accumulation_fusion=False)
+
+
 def configure_provider(provider, rollout_tp=1):
-    """Point a Megatron-Bridge GPT provider (Qwen3 / Qwen3-MoE) at this spec: our layers,
-    RoPE inside the attention, no vocabulary padding (the rollout's vocabulary exactly),
-    experts whole (expert TP 1) and per-expert parameters (SequentialMLP's names)."""
+    """Point a Megatron-Bridge GPT provider (Qwen3 / Qwen3-MoE) at this spec (call before
+    ``provider.finalize()``; PROVIDER_SETTINGS may also arrive as verl overrides)."""
+    for name, value in PROVIDER_SETTINGS.items():
+        setattr(provider, name, value)
     provider.transformer_layer_spec = partial(_spec_for, rollout_tp=rollout_tp, rope_theta=provider.rotary_base)
-    provider.position_embedding_type = "none"
-    provider.should_pad_vocab = False
-    provider.expert_tensor_parallel_size = 1
-    provider.moe_grouped_gemm = False
-    provider.moe_permute_fusion = False
-    provider.gradient_accumulation_fusion = False
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
     for name, kind in _BRIDGE_TYPES.items():      # how bridge splits/gathers our modules' weights
         AutoMapping.register_module_type(name, kind)
