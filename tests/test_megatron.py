@@ -8,6 +8,7 @@ step the exported weights give the rollout model Megatron's logits bitwise; verl
 Megatron engine (our registered subclass) computes the rollout's log-probs (infer_batch). Runs in .venv-megatron (scripts/setup_megatron.sh);
 skipped where that environment is absent."""
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -15,11 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = ROOT / ".venv-megatron" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not PY.exists(), reason="no .venv-megatron (run scripts/setup_megatron.sh)")
+needs_env = pytest.mark.skipif(not PY.exists(), reason="no .venv-megatron (run scripts/setup_megatron.sh)")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    if not PY.exists():
+        pytest.skip("no .venv-megatron (run scripts/setup_megatron.sh)")
     tmp = tmp_path_factory.mktemp("megatron")
     out = tmp / "out.json"
     for arch in ("qwen3_moe", "qwen3"):
@@ -67,3 +70,32 @@ def test_weight_export_exact_and_synced_rollout_bitwise_after_step(results):
 def test_verl_megatron_engine_logprobs_bitwise_equal_rollout(results, tp, ep):
     rows = [r for r in results if r.get("engine") and r["tp"] == tp and r["ep"] == ep]
     assert len(rows) == 2 and all(r["equal"] and r["max_abs_diff"] == 0.0 for r in rows), rows
+
+
+@needs_env
+def test_swap_in_registers_the_engine_and_logprobs():
+    code = ("import verl, verl.workers.engine.megatron.transformer_impl as t\n"
+            "from verl.workers.engine.base import EngineRegistry as R\n"
+            "print(R.get_engine_cls('language_model', 'megatron').__name__, "
+            "t.vocab_parallel_log_probs_from_logits.__name__)")
+    proc = subprocess.run([str(PY), "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRUE_ON_POLICY": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["TrueOnPolicyMegatronEngine", "contract_vocab_parallel_log_probs"]
+
+
+def _megatron_job(**megatron):
+    from omegaconf import OmegaConf
+    return OmegaConf.create({"actor_rollout_ref": {"actor": {"strategy": "megatron", "megatron": megatron},
+                                                   "rollout": {"name": "vllm"}}})
+
+
+def test_preflight_megatron_rules():
+    from true_on_policy.verl import preflight
+    found = preflight.problems(_megatron_job(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
+    assert any("expert_tensor_parallel_size must be 1" in p for p in found)
+    assert any("pipeline_model_parallel_size=2" in p for p in found)
+    # .venv has no Megatron: the job is told how to get it.
+    assert any("scripts/setup_megatron.sh" in p for p in found)
+    ok = preflight.problems(_megatron_job(tensor_model_parallel_size=2, expert_tensor_parallel_size=1))
+    assert all("setup_megatron" in p for p in ok)
