@@ -63,15 +63,17 @@ def build(path, tp, ep, rollout_tp, stock=False):
     return model.eval(), ps, bridge
 
 
+def packed(cu):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    n = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+
+
 def megatron_logits(model, ps, ids, pos, cu):
     """Full-vocabulary fp32 logits [T, V] of this rank's (data-parallel) batch."""
-    from megatron.core.packed_seq_params import PackedSeqParams
     from consistent_ops import parallel
-    n = int((cu[1:] - cu[:-1]).max())
-    psp = None if cu is None else PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                  max_seqlen_q=n, max_seqlen_kv=n)
     with torch.no_grad():
-        out = model(ids[None], pos[None], None, packed_seq_params=psp)[0].float()
+        out = model(ids[None], pos[None], None, packed_seq_params=packed(cu))[0].float()
     return parallel.gather_concat(out, -1, ps.get_tensor_model_parallel_group())
 
 
@@ -93,10 +95,7 @@ def train_step_check(path):
     export_exact = sorted(before) == sorted(disk) and all(torch.equal(before[k], disk[k]) for k in disk)
     ids, pos, cu = batch(0)
     labels = torch.cat([ids[1:], ids[:1]])            # any fixed targets
-    from megatron.core.packed_seq_params import PackedSeqParams
-    n = int((cu[1:] - cu[:-1]).max())
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
-    logits = model(ids[None], pos[None], None, packed_seq_params=psp)[0]
+    logits = model(ids[None], pos[None], None, packed_seq_params=packed(cu))[0]
     tp_group = ps.get_tensor_model_parallel_group()
     spec.token_logprobs(logits, labels, 0.7, tp_group=tp_group).sum().backward()
     ref = ConsistentForCausalLM.from_pretrained(path, tp_size=2)

@@ -29,7 +29,6 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 import consistent_ops as co
 from consistent_ops import parallel
 
-from ..models.causal_lm import packed_layout
 from ..models.layers import RMSNorm
 from ..models.qwen3 import RotaryTable
 
