@@ -16,12 +16,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = ROOT / ".venv-megatron" / "bin" / "python"
-needs_env = pytest.mark.skipif(not PY.exists(), reason="no .venv-megatron (run scripts/setup_megatron.sh)")
+READY = (ROOT / ".venv-megatron" / ".stamp").exists()      # written by a completed setup only
+needs_env = pytest.mark.skipif(not READY, reason="no .venv-megatron (run scripts/setup_megatron.sh)")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if not PY.exists():
+    if not READY:
         pytest.skip("no .venv-megatron (run scripts/setup_megatron.sh)")
     tmp = tmp_path_factory.mktemp("megatron")
     out = tmp / "out.json"
