@@ -9,7 +9,7 @@ BRIDGE=megatron-bridge==0.6.2
 env=.venv-megatron
 base=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 want=$(printf '%s\n' "$CORE" "$BRIDGE" "$base" | cat - "$0" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$env/.stamp" 2>/dev/null)" != "$want" ]; then
+if [ "$(cat "$env/.stamp" 2>/dev/null)" != "$want" ] || [ ! -x "$env/bin/python" ]; then
   echo "[setup_megatron] making $env ($CORE, $BRIDGE over .venv)"
   rm -rf "$env"
   "$(.venv/bin/python -c 'import sys; print(sys._base_executable)')" -m venv --without-pip "$env"
