@@ -19,6 +19,7 @@ setup(
         "true_on_policy.models",
         "true_on_policy.vllm",
         "true_on_policy.verl",
+        "true_on_policy.megatron",
         "true_on_policy.configs",
     ],
     package_dir={

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The Megatron environment (tests/test_megatron.py skips where it cannot be made).
+bash scripts/setup_megatron.sh || echo "[test] .venv-megatron not made: the Megatron tests will be skipped"
 exec .venv/bin/python -m pytest tests "$@"

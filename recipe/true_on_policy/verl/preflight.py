@@ -46,9 +46,10 @@ def _rollout_rules(cfg):
 def _actor_rules(cfg):
     ac = "actor_rollout_ref.actor."
     strategy = _get(cfg, ac + "strategy", "fsdp")
-    if strategy not in ("fsdp", "fsdp2"):
-        yield (f"{ac}strategy={strategy!r}: the Megatron/MindSpeed trainer is not integrated yet; "
-               f"use fsdp2")
+    if strategy == "megatron":
+        yield from _megatron_rules(cfg)
+    elif strategy not in ("fsdp", "fsdp2"):
+        yield f"{ac}strategy={strategy!r}: only fsdp2 and megatron (Megatron-Bridge) are covered; use one"
     if (_get(cfg, ac + "ulysses_sequence_parallel_size", 1) or 1) > 1:
         yield f"{ac}ulysses_sequence_parallel_size>1 splits attention differently; set it to 1"
     if _get(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
@@ -58,6 +59,29 @@ def _actor_rules(cfg):
     dtype = _get(cfg, "actor_rollout_ref.rollout.dtype", "bfloat16")
     if dtype not in ("bfloat16", "bf16"):
         yield f"actor_rollout_ref.rollout.dtype={dtype!r}: the recipe computes in bfloat16; set bfloat16"
+
+
+def _megatron_rules(cfg):
+    """What true_on_policy.megatron covers: Megatron-Bridge, packed (thd) batches, experts
+    whole, no pipeline or context parallel yet."""
+    import importlib.util
+    mg = "actor_rollout_ref.actor.megatron."
+    # The spec's log-probs and weight export are exact (tests/test_megatron.py); a training loop
+    # with it has not run end to end yet (README: Megatron), so it stays refused for now.
+    yield ("actor.strategy=megatron: the Megatron actor's training loop is not proven end to end yet "
+           "(its forward log-probs are exact, README: Megatron); use actor.strategy=fsdp2")
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.bridge") is None:
+        yield ("actor.strategy=megatron needs megatron-core + megatron-bridge: run scripts/setup_megatron.sh "
+               "and launch with .venv-megatron/bin/python")
+    for key, want in (("vanilla_mbridge", False), ("expert_tensor_parallel_size", 1),
+                      ("pipeline_model_parallel_size", 1), ("context_parallel_size", 1)):
+        value = _get(cfg, mg + key, want)
+        if value is not None and value != want:
+            yield f"{mg}{key}={value!r} is not covered by the Megatron spec yet; set {want}"
+    if _get(cfg, mg + "expert_tensor_parallel_size", None) is None and _get(cfg, mg + "tensor_model_parallel_size", 1) > 1:
+        yield f"{mg}expert_tensor_parallel_size must be 1 (experts are placed whole, as in the rollout); set 1"
+    if not _get(cfg, "actor_rollout_ref.model.use_remove_padding", True):
+        yield "actor_rollout_ref.model.use_remove_padding=False: the Megatron spec runs packed batches; set True"
 
 
 def _model_rules(cfg):

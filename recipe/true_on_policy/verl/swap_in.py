@@ -11,6 +11,8 @@ process only pays for what it uses:
   TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
   trainer       FSDP engine                    AutoModelForCausalLM -> the shared model;
                                               log-probs -> consistent_ops.token_logprobs
+  trainer       Megatron engine                our layer spec + LM head + log-probs
+                                              (true_on_policy.megatron.verl_engine)
   vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
                                               carried to the contract's log-probs; reports
                                               its workers' contract (contract_match)
@@ -68,6 +70,12 @@ def _trainer_engine(_module):
     trainer_logprobs.patch()
 
 
+def _megatron_engine(_module):
+    from ..megatron import env, verl_engine
+    env.import_bridge()
+    verl_engine.install()
+
+
 def _rollout_server(module):
     """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature;
     under the plugin the engine samples at 1.0 and the contract applies T (vllm/sampling.py)."""
@@ -123,6 +131,7 @@ def apply() -> bool:
         return False
     after_import("verl.utils.config", _driver)
     after_import("verl.workers.engine.fsdp.transformer_impl", _trainer_engine)
+    after_import("verl.workers.engine.megatron.transformer_impl", _megatron_engine)
     after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _rollout_server)
     after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", _weight_sync)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):

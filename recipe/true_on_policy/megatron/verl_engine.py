@@ -1,0 +1,67 @@
+"""verl 0.9.1's Megatron engine under TRUE_ON_POLICY=1, through verl's own extension points:
+the engine registry (a subclass of ``MegatronEngineWithLMHead`` that points the Bridge
+provider at our layer spec and gives GPTModel our LM head) and the log-prob function the
+engine calls by name (``vocab_parallel_log_probs_from_logits`` -> the contract's log-probs
+over the whole vocabulary). Weight export is the engine's own (``bridge.export_hf_weights``:
+our modules keep Megatron's parameter layout and names)."""
+import logging
+
+from megatron.core import parallel_state as mpu
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.megatron import transformer_impl
+
+from .. import hf_model
+from ..verl import contract_registry
+from . import env, spec
+
+log = logging.getLogger("true_on_policy.verl")
+_vocab_limit = None
+_reported = False
+
+
+class TrueOnPolicyMegatronEngine(transformer_impl.MegatronEngineWithLMHead):
+    def _build_tf_config(self):
+        global _vocab_limit
+        # read by the provider's finalize, inside super()
+        self.engine_config.override_transformer_config.update({**spec.PROVIDER_SETTINGS, **env.cpu_provider_settings()})
+        super()._build_tf_config()
+        if self.provider is None:
+            raise ValueError("TRUE_ON_POLICY=1 with the Megatron actor needs Megatron-Bridge: "
+                             "set actor.megatron.vanilla_mbridge=False")
+        rollout_tp = int(getattr(self.model_config.hf_config, hf_model.TP_ATTR, 1) or 1)
+        spec.configure_provider(self.provider, rollout_tp)
+        # Bridge's hook before DDP wrapping: GPTModel's LM head gets the contract's forward.
+        self.provider.register_pre_wrap_hook(lambda chunks: [spec.adopt_output_layer(m) for m in chunks])
+        env.cpu_provider(self.provider)
+        _vocab_limit = hf_model._tokenizer_length(self.model_config.local_path)
+
+    @env.on_cpu
+    def forward_backward_batch(self, *args, **kwargs):
+        return super().forward_backward_batch(*args, **kwargs)
+
+    @env.on_cpu
+    def optimizer_step(self):
+        return super().optimizer_step()
+
+
+def contract_vocab_parallel_log_probs(logits, labels):
+    """verl divided the fp32 logits by T in place (one IEEE division, the contract's)."""
+    global _reported
+    if not _reported:
+        import consistent_ops as co
+        contract_registry.publish("trainer", [co.contract_fingerprint()])
+        _reported = True
+    return spec.token_logprobs(logits, labels, 1.0, _vocab_limit, mpu.get_tensor_model_parallel_group())
+
+
+def install(_module=None):
+    """Register the engine and the log-prob function; idempotent. The registry looks a
+    (device, vendor) key up before the device's default, so ("cuda", "nvidia") shadows the
+    stock engine on NVIDIA; "cpu" has none."""
+    env.apply_cpu_workarounds()
+    registry = EngineRegistry._engines["language_model"]["megatron"]
+    for device, vendor in (("cuda", "nvidia"), ("cpu", None)):
+        if registry.get((device, vendor) if vendor else device) is not TrueOnPolicyMegatronEngine:
+            EngineRegistry.register("language_model", "megatron", device, vendor)(TrueOnPolicyMegatronEngine)
+    transformer_impl.vocab_parallel_log_probs_from_logits = contract_vocab_parallel_log_probs
+    log.info("true_on_policy: verl Megatron engine -> true_on_policy.megatron spec + contract log-probs")
