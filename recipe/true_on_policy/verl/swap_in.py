@@ -9,8 +9,9 @@ process only pays for what it uses:
                                               fast), the startup self-check, and the
                                               trainer's TP emulation degree
   TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
-  trainer       FSDP engine                    AutoModelForCausalLM -> the shared model;
-                                              log-probs -> consistent_ops.token_logprobs
+  trainer       FSDP engine                    the actor's / reference's model -> the
+                                              shared model; their log-probs ->
+                                              consistent_ops.token_logprobs
   vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
                                               carried to the contract's log-probs; reports
                                               its workers' contract (contract_match)
@@ -61,11 +62,28 @@ def _prepare_job(config):
     self_check.run(config)
 
 
-def _trainer_engine(_module):
+def _trainer_engine(module):
+    """verl's FSDP engine builds its model with ``get_hf_auto_model_class(hf_config)
+    .from_pretrained(config=hf_config)`` in ``_build_module``: the config's type picks the
+    class. Only there, and only for a language model (actor, reference; the critic is a
+    value model whose values the rollout never computes), the config becomes our marked
+    type; every other model of the process keeps transformers' class."""
     from .. import hf_model
     from . import trainer_logprobs
     hf_model.register()
-    trainer_logprobs.patch()
+    trainer_logprobs.patch(module)
+    build = module.FSDPEngine._build_module
+    if getattr(build, "_true_on_policy", False):
+        return
+
+    @functools.wraps(build)
+    def _build_module(self):
+        if self.model_config.model_type == "language_model":
+            self.model_config.hf_config = hf_model.scoped_config(self.model_config.hf_config)
+        return build(self)
+
+    _build_module._true_on_policy = True
+    module.FSDPEngine._build_module = _build_module
 
 
 def _rollout_server(module):
@@ -87,6 +105,8 @@ def _report_rollout_contract(server_cls):
     """Once the server's engine is up, ask each of its workers which contract its model
     runs and report it (contract_registry: the contract_match metric)."""
     run_server = server_cls.run_server
+    if getattr(run_server, "_true_on_policy", False):
+        return
 
     async def reporting_run_server(self, *args, **kwargs):
         result = await run_server(self, *args, **kwargs)
@@ -94,6 +114,7 @@ def _report_rollout_contract(server_cls):
         contract_registry.publish("rollout", await self.engine.collective_rpc("true_on_policy_contract"))
         return result
 
+    reporting_run_server._true_on_policy = True
     server_cls.run_server = functools.wraps(run_server)(reporting_run_server)
 
 
