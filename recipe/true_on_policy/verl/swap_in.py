@@ -52,9 +52,12 @@ def _driver(module):
 
 
 def _prepare_job(config):
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
+    from .. import quiet
     from . import preflight, self_check
+    if OmegaConf.select(config, "true_on_policy.verbose", default=None) is False:
+        quiet.apply()             # +true_on_policy.verbose=false: the recipe's quiet console
     preflight.check(config)
     with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
