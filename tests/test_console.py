@@ -9,7 +9,8 @@ from contextlib import redirect_stdout
 from omegaconf import OmegaConf
 
 from true_on_policy import quiet
-from true_on_policy.main_ppo import Console, metrics_file, route_metrics
+from true_on_policy.console import Console, route_metrics
+from true_on_policy.main_ppo import metrics_file
 
 STEP = {"critic/score/mean": 0.25, "response_length/mean": 30.5, "true_on_policy/logdiff_max": 0.0,
         "true_on_policy/frac_exact": 1.0, "true_on_policy/contract_match": 1.0, "timing_s/step": 3.0,

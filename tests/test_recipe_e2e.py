@@ -90,10 +90,13 @@ def test_swap_in_stock_verl_job(tmp_path):
                  *REWARD, "trainer.logger=[console,file]",
                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
                  "trainer.save_freq=-1", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
-                 "+true_on_policy.self_check.enable=true"]
+                 "+true_on_policy.self_check.enable=true",
+                 f"+true_on_policy.metrics_file={tmp_path / 'metrics.jsonl'}", "+true_on_policy.verbose=false"]
     rc, out, records = run_job(tmp_path, ON, overrides, module="verl.trainer.main_ppo")
     assert "self-check exact" in out, out[-4000:]
     assert_exact_every_step(rc, out, records, steps=[1, 2])
+    assert any(ln.endswith(f"one JSON line per step): {tmp_path / 'metrics.jsonl'}") for ln in out.splitlines())
+    assert "'actor_rollout_ref':" not in out                    # quiet: verl's config dump is off
 
 
 def test_bad_setting_fails_fast(tmp_path):

@@ -17,10 +17,8 @@ off unless ``true_on_policy.verbose=true`` (``true_on_policy.quiet``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -29,18 +27,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from true_on_policy import quiet, sync_check
+from true_on_policy.console import Console, route_metrics
 
 log = logging.getLogger("true_on_policy")
 
 PLUGIN = "true_on_policy.verl.register"
-# (column, verl metric key, format); the step comes from the logger record itself.
-LOGDIFF, CONTRACT = "true_on_policy/logdiff_max", "true_on_policy/contract_match"
-COLUMNS = (("reward", "critic/score/mean", "{:.3f}"),
-           ("resp_len", "response_length/mean", "{:.1f}"),
-           ("logdiff_max", LOGDIFF, "{:.3e}"),
-           ("frac_exact", "true_on_policy/frac_exact", "{:.4f}"),
-           ("contract", CONTRACT, "{:.0f}"),
-           ("step_s", "timing_s/step", "{:.1f}"))
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -82,94 +73,13 @@ def override_keys(overrides) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
-# ----------------------------------------------------------------------------- console
-class Console:
-    """The run's console: one row per training step and a final summary, read from the
-    metrics file (verl's ``file`` logger: one JSON line per step, ``{"step", "data"}``
-    with verl's and our metric keys unchanged). verl trains inside a Ray actor; its
-    file is the one channel that reaches this driver without touching verl's trainer."""
-
-    def __init__(self, path: Path, rows: bool = True):
-        self.path, self.rows, self.records = path, rows, []
-        self._stop, self._offset = threading.Event(), 0
-        self._thread = threading.Thread(target=self._follow, daemon=True)
-
-    def __enter__(self):
-        if self.rows:
-            print(self.header(), flush=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._drain()  # rows written after the last poll
-        print(self.summary(), flush=True)
-
-    @staticmethod
-    def header() -> str:
-        return " | ".join([f"{'step':>4}"] + [f"{name:>{max(len(name), 9)}}" for name, _, _ in COLUMNS])
-
-    @staticmethod
-    def row(record: dict) -> str:
-        data, cells = record.get("data", {}), [f"{record.get('step', '?'):>4}"]
-        for name, key, fmt in COLUMNS:
-            value = data.get(key)
-            cells.append(f"{fmt.format(value) if value is not None else '-':>{max(len(name), 9)}}")
-        return " | ".join(cells)
-
-    def summary(self) -> str:
-        """Steps run, the worst log-prob gap over them, whether every step ran one contract."""
-        data = [r.get("data", {}) for r in self.records]
-        worst = [d[LOGDIFF] for d in data if LOGDIFF in d]
-        contract = [d[CONTRACT] for d in data if CONTRACT in d]
-        seconds = sum(d.get("timing_s/step", 0.0) for d in data)
-        gap = f"logdiff_max {max(worst):.3e} over all steps" if worst else "no true_on_policy metrics"
-        agree = (", contract_match 1 every step" if contract and min(contract) == 1.0 else
-                 ", contract_match 0 at some step" if contract else "")
-        return (f"[true_on_policy] {len(data)} step(s) in {seconds:.1f} s: {gap}{agree}. "
-                f"Metrics (verl's and ours, one JSON line per step): {self.path}")
-
-    def _follow(self):
-        while not self._stop.wait(1.0):
-            self._drain()
-
-    def _drain(self):
-        if not self.path.is_file():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # a row still being written
-                self._offset += len(line)
-                self.records.append(json.loads(line))
-                if self.rows:
-                    print(self.row(self.records[-1]), flush=True)
-
-
-def route_metrics(config: DictConfig, path: Path) -> None:
-    """verl's file logger writes every step's metrics to ``path``, in whatever process
-    the trainer runs (the Ray runtime env reaches it), next to any logger the config asks
-    for (console, wandb, tensorboard)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open_dict(config):
-        loggers = config.trainer.logger
-        loggers = [loggers] if isinstance(loggers, str) else list(loggers)
-        if "file" not in loggers:
-            loggers.append("file")
-        config.trainer.logger = loggers
-        OmegaConf.update(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH",
-                         str(path), force_add=True)
-
-
+# ----------------------------------------------------------------------------- main
 def metrics_file(config: DictConfig, run_dir: Path) -> Path:
     """``true_on_policy.metrics_file``, or ``metrics.jsonl`` in the run's output dir."""
     given = config.true_on_policy.get("metrics_file")
     return Path(str(given)).expanduser().absolute() if given else run_dir / "metrics.jsonl"
 
 
-# ----------------------------------------------------------------------------- main
 def run(config: DictConfig, explicit: set[str] = frozenset(), metrics: Path | None = None) -> None:
     """prepare + verl's main. ``metrics``: the metrics file (the console's source)."""
     from verl.trainer import main_ppo as verl_main_ppo

@@ -22,6 +22,7 @@ process only pays for what it uses:
 import functools
 import logging
 import os
+from pathlib import Path
 
 from .hooks import after_import
 
@@ -54,10 +55,13 @@ def _driver(module):
 def _prepare_job(config):
     from omegaconf import OmegaConf, open_dict
 
-    from .. import quiet
+    from .. import console, quiet
     from . import preflight, self_check
     if OmegaConf.select(config, "true_on_policy.verbose", default=None) is False:
         quiet.apply()             # +true_on_policy.verbose=false: the recipe's quiet console
+    metrics = OmegaConf.select(config, "true_on_policy.metrics_file", default=None)
+    if metrics and console.routed(config) is None:   # a swap-in job's; the recipe routes its own
+        console.follow(config, Path(str(metrics)).expanduser().absolute())
     preflight.check(config)
     with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
