@@ -69,3 +69,10 @@ def test_quiet_drops_only_known_texts(monkeypatch):
     with redirect_stdout(out):
         module.pprint({"trainer": {}})
     assert out.getvalue() == ""
+
+
+def test_summary_of_a_stock_run_names_verls_gap(tmp_path):
+    console = Console(tmp_path / "m.jsonl")
+    console.records = [{"step": 1, "data": {"training/rollout_probs_diff_max": 0.25, "timing_s/step": 2.0}}]
+    assert console.summary().startswith("[true_on_policy] 1 step(s) in 2.0 s: no true_on_policy metrics "
+                                        "(plugin off), verl's rollout_probs_diff_max 2.500e-01.")

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 _LOGGER_PATH = "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH"
 # (column, verl metric key, format); the step comes from the logger record itself.
 LOGDIFF, CONTRACT = "true_on_policy/logdiff_max", "true_on_policy/contract_match"
+PROBS_DIFF = "training/rollout_probs_diff_max"   # verl's own (on probabilities): the stock baseline's gap
 COLUMNS = (("reward", "critic/score/mean", "{:.3f}"),
            ("resp_len", "response_length/mean", "{:.1f}"),
            ("logdiff_max", LOGDIFF, "{:.3e}"),
@@ -64,7 +65,10 @@ class Console:
         worst = [d[LOGDIFF] for d in data if LOGDIFF in d]
         contract = [d[CONTRACT] for d in data if CONTRACT in d]
         seconds = sum(d.get("timing_s/step", 0.0) for d in data)
-        gap = f"logdiff_max {max(worst):.3e} over all steps" if worst else "no true_on_policy metrics"
+        stock = [d[PROBS_DIFF] for d in data if PROBS_DIFF in d]
+        gap = (f"logdiff_max {max(worst):.3e} over all steps" if worst else
+               f"no true_on_policy metrics (plugin off), verl's rollout_probs_diff_max {max(stock):.3e}" if stock
+               else "no true_on_policy metrics")
         agree = (", contract_match 1 every step" if contract and min(contract) == 1.0 else
                  ", contract_match 0 at some step" if contract else "")
         return (f"[true_on_policy] {len(data)} step(s) in {seconds:.1f} s: {gap}{agree}. "
