@@ -45,7 +45,8 @@ class Console:
         self._stop.set()
         self._thread.join()
         self._drain()  # rows written after the last poll
-        print(self.summary(), flush=True)
+        if self.records:   # (a job that stopped before its first step has its error instead)
+            print(self.summary(), flush=True)
 
     @staticmethod
     def header() -> str:

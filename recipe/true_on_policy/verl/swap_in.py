@@ -57,12 +57,12 @@ def _prepare_job(config):
 
     from .. import console, quiet
     from . import preflight, self_check
+    preflight.check(config)
     if OmegaConf.select(config, "true_on_policy.verbose", default=None) is False:
         quiet.apply()             # +true_on_policy.verbose=false: the recipe's quiet console
     metrics = OmegaConf.select(config, "true_on_policy.metrics_file", default=None)
     if metrics and console.routed(config) is None:   # a swap-in job's; the recipe routes its own
         console.follow(config, Path(str(metrics)).expanduser().absolute())
-    preflight.check(config)
     with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
         config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
