@@ -14,6 +14,7 @@ import builtins
 import functools
 import logging
 import os
+import re
 import sys
 
 import psutil
@@ -103,7 +104,7 @@ def install() -> None:
         return
     import warnings
     for category, message in HARMLESS_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=getattr(builtins, category))
+        warnings.filterwarnings("ignore", message=re.escape(message), category=getattr(builtins, category))
     by_logger = {}
     for name, text in HARMLESS_LOGS:
         by_logger.setdefault(_logger_name(name), []).append(text)
