@@ -1,5 +1,6 @@
-"""The HF adapter (what verl's FSDP engine builds through AutoModelForCausalLM) runs the
-shared layers: fp32 master weights give the bits of the bf16 model, packed and padded."""
+"""The HF adapter (what verl's FSDP engine builds through AutoModelForCausalLM for a
+scoped config) runs the shared layers: fp32 master weights give the bits of the bf16
+model, packed and padded; a plain Qwen3 config still builds transformers' class."""
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture
 def registered():
-    """hf_model.register() is process-wide (as in a verl worker): undo it for later tests."""
+    """hf_model.register() adds our marked configs to AutoModelForCausalLM: undo it for later tests."""
     from true_on_policy import hf_model
     mapping = transformers.AutoModelForCausalLM._model_mapping
     saved = dict(mapping._extra_content)
@@ -25,7 +26,10 @@ def registered():
 def test_auto_model_is_ours_and_exact(arch, tmp_path_factory, registered):
     hf_model = registered
     path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", arch, hidden_size=128, num_layers=2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    stock = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    assert not isinstance(stock, hf_model.TrueOnPolicyForCausalLM)
+    scoped = hf_model.scoped_config(transformers.AutoConfig.from_pretrained(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, config=scoped, dtype=torch.float32)
     assert isinstance(model, hf_model.TrueOnPolicyForCausalLM)
     assert next(model.parameters()).dtype == torch.float32            # storage: fp32 master
     ref = ConsistentForCausalLM.from_pretrained(path)                  # storage: bf16

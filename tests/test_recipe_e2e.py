@@ -32,10 +32,25 @@ def assert_exact_every_step(rc, out, records, steps):
         assert m["actor/grad_norm"] > 0, m                           # the policy really moves
 
 
+def assert_readable_console(out, records, metrics):
+    """The recipe's default console (issue 9): start-up lines, a row per step, a summary
+    naming the metrics file, which holds verl's and our keys for every step; no config dump."""
+    lines = out.splitlines()
+    assert len(lines) <= 100, out
+    rows = [ln for ln in lines if ln.strip()[:1].isdigit() and ln.count("|") == 6]
+    assert [int(r.split("|")[0]) for r in rows] == [r["step"] for r in records], out[-3000:]
+    assert any(ln.endswith(f"one JSON line per step): {metrics}") for ln in lines), out[-3000:]
+    assert all({"actor/grad_norm", "timing_s/step", "true_on_policy/logdiff_max"} <= set(r["data"]) for r in records)
+    assert "'actor_rollout_ref':" not in out                    # verl's config dump is off
+    assert "rollout runs contract cops-" in out and "trainer runs contract cops-" in out   # start-up progress
+
+
 def test_grpo_three_steps_then_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto", *REWARD]
-    assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=3, overrides=common), steps=[1, 2, 3])
+    rc, out, records = _train(tmp_path, "qwen3_moe", ON, steps=3, overrides=common)
+    assert_exact_every_step(rc, out, records, steps=[1, 2, 3])
+    assert_readable_console(out, records, tmp_path / "run" / "metrics.jsonl")
     assert (ckpt / "global_step_3").is_dir()
     (tmp_path / "run" / "metrics.jsonl").unlink()
     assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=4, overrides=common), steps=[4])
@@ -75,10 +90,13 @@ def test_swap_in_stock_verl_job(tmp_path):
                  *REWARD, "trainer.logger=[console,file]",
                  "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
                  "trainer.save_freq=-1", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
-                 "+true_on_policy.self_check.enable=true"]
+                 "+true_on_policy.self_check.enable=true",
+                 f"+true_on_policy.metrics_file={tmp_path / 'metrics.jsonl'}", "+true_on_policy.verbose=false"]
     rc, out, records = run_job(tmp_path, ON, overrides, module="verl.trainer.main_ppo")
     assert "self-check exact" in out, out[-4000:]
     assert_exact_every_step(rc, out, records, steps=[1, 2])
+    assert any(ln.endswith(f"one JSON line per step): {tmp_path / 'metrics.jsonl'}") for ln in out.splitlines())
+    assert "'actor_rollout_ref':" not in out                    # quiet: verl's config dump is off
 
 
 def test_bad_setting_fails_fast(tmp_path):

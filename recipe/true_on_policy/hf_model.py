@@ -1,11 +1,17 @@
 """HF (transformers) adapter of the shared model, for trainers that build models with
 ``AutoModelForCausalLM.from_pretrained`` (verl's FSDP engine).
 
-``register()`` maps Qwen3Config / Qwen3MoeConfig to ``TrueOnPolicyForCausalLM``, whose
-submodules, parameter names and math are models.CausalLM's: the trainer then runs the
-same layers as the rollout. TP of the rollout is emulated through the config attribute
-``true_on_policy_tp_size`` (set with verl's ``model.override_config``).
+``TrueOnPolicyForCausalLM``'s submodules, parameter names and math are models.CausalLM's:
+the trainer then runs the same layers as the rollout. The replacement is scoped to the
+models that must compute the rollout's bits: ``register()`` maps only our own config
+subclasses (``TrueOnPolicyQwen3Config`` / ``TrueOnPolicyQwen3MoeConfig``) to our classes,
+and ``scoped_config(config)`` turns one model's config into one of them (verl's FSDP
+engine does it for the actor and the reference, verl/swap_in.py). Any other Qwen3 model
+the process builds from a plain Qwen3Config is transformers' own class. TP of the rollout
+is emulated through the config attribute ``true_on_policy_tp_size`` (set with verl's
+``model.override_config``).
 """
+import copy
 import logging
 
 import torch
@@ -22,6 +28,12 @@ DTYPE_ATTR = "true_on_policy_dtype"
 # Rows >= len(tokenizer) are excluded from log-probs (the rollout masks them too).
 VOCAB_ATTR = "true_on_policy_vocab_limit"
 _active_vocab_limit = None
+_built = False
+
+
+def built() -> bool:
+    """Whether this process built one of our models (whose log-probs follow the contract)."""
+    return _built
 
 
 def active_vocab_limit():
@@ -49,8 +61,9 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         if getattr(config, DTYPE_ATTR, None):
             cfg.dtype = getattr(torch, str(getattr(config, DTYPE_ATTR)).replace("torch.", ""))
         build_causal_lm(self, cfg, TensorParallel(size=int(getattr(config, TP_ATTR, 1) or 1)))
-        global _active_vocab_limit
+        global _active_vocab_limit, _built
         self.vocab_limit = _active_vocab_limit = getattr(config, VOCAB_ATTR, None)
+        _built = True
         if cfg.tie_word_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -62,7 +75,7 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
                         **kwargs):
         """Our own loader (HF names, per-expert tensors as on disk): transformers' MoE
         weight conversion would fuse experts into tensors this model does not have."""
-        config = config or AutoConfig.from_pretrained(pretrained_model_name_or_path)
+        config = config or scoped_config(AutoConfig.from_pretrained(pretrained_model_name_or_path))
         if not getattr(config, DTYPE_ATTR, None):
             setattr(config, DTYPE_ATTR, str(ModelConfig.from_dir(pretrained_model_name_or_path).dtype))
         if getattr(config, VOCAB_ATTR, None) is None:
@@ -84,16 +97,39 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         return CausalLMOutputWithPast(logits=logits)
 
 
+class TrueOnPolicyQwen3Config(Qwen3Config):
+    """A Qwen3Config marked for the shared model (same model_type, same config.json)."""
+
+
+class TrueOnPolicyQwen3MoeConfig(Qwen3MoeConfig):
+    """A Qwen3MoeConfig marked for the shared model (same model_type, same config.json)."""
+
+
 class TrueOnPolicyQwen3ForCausalLM(TrueOnPolicyForCausalLM):
-    config_class = Qwen3Config
+    config_class = TrueOnPolicyQwen3Config
 
 
 class TrueOnPolicyQwen3MoeForCausalLM(TrueOnPolicyForCausalLM):
-    config_class = Qwen3MoeConfig
+    config_class = TrueOnPolicyQwen3MoeConfig
+
+
+_MODELS = (TrueOnPolicyQwen3ForCausalLM, TrueOnPolicyQwen3MoeForCausalLM)
+_SCOPED = {model_cls.config_class.__mro__[1]: model_cls.config_class for model_cls in _MODELS}
+
+
+def scoped_config(config):
+    """A copy of ``config`` that AutoModelForCausalLM builds as our model (after
+    ``register()``); ``config`` itself when it is no Qwen3 / Qwen3-MoE config."""
+    marked = _SCOPED.get(type(config))
+    if marked is None:
+        return config
+    config = copy.deepcopy(config)
+    config.__class__ = marked   # a subclass adding no state: the copy's fields stay as they are
+    return config
 
 
 def register():
-    """Make AutoModelForCausalLM build our classes for Qwen3 / Qwen3-MoE configs (idempotent)."""
-    for model_cls in (TrueOnPolicyQwen3ForCausalLM, TrueOnPolicyQwen3MoeForCausalLM):
+    """Make AutoModelForCausalLM build our classes for our marked configs only (idempotent)."""
+    for model_cls in _MODELS:
         AutoModelForCausalLM.register(model_cls.config_class, model_cls, exist_ok=True)
-    log.info("true_on_policy: AutoModelForCausalLM -> TrueOnPolicyForCausalLM for qwen3, qwen3_moe")
+    log.info("true_on_policy: AutoModelForCausalLM -> TrueOnPolicyForCausalLM for scoped qwen3, qwen3_moe configs")

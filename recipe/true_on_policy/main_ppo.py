@@ -8,17 +8,17 @@ It extends ``verl.trainer.main_ppo`` and never copies it: hydra composes configs
 (verl's ppo_trainer + the ``true_on_policy:`` keys), ``prepare`` fills in what the
 config leaves null (the tiny model, the synthetic task's files) and, on a host with no
 accelerator, the CPU settings of ``true_on_policy.verl.cpu_support`` (keys given on the
-command line win); then verl's own ``main`` runs with that config. A per-step table
-(step, reward, response length, verl's rollout/trainer probability gap, and our log-prob
-gap ``true_on_policy/logdiff_max`` once the trainer reports it) is printed from verl's
-file logger while it trains.
+command line win); then verl's own ``main`` runs with that config. verl's full metrics go to the metrics
+file (``true_on_policy.metrics_file``, default ``metrics.jsonl`` in the run's output dir)
+through verl's file logger; the console shows one row per step read from it (reward,
+response length, our log-prob gap, the exact fraction, contract match, step time) and a
+final summary naming the file. verl's config dump and known-harmless warnings are
+off unless ``true_on_policy.verbose=true`` (``true_on_policy.quiet``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -26,18 +26,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from true_on_policy import sync_check
+from true_on_policy import quiet, sync_check
+from true_on_policy.console import Console, route_metrics
 
 log = logging.getLogger("true_on_policy")
 
 PLUGIN = "true_on_policy.verl.register"
-# (column, verl metric key, format); the step comes from the logger record itself.
-COLUMNS = (("reward", "critic/score/mean", "{:.3f}"),
-           ("resp_len", "response_length/mean", "{:.1f}"),
-           ("rollout_probs_diff_max", "training/rollout_probs_diff_max", "{:.3e}"),
-           ("logdiff_max", "true_on_policy/logdiff_max", "{:.3e}"),
-           ("contract", "true_on_policy/contract_match", "{:.0f}"),
-           ("step_s", "timing_s/step", "{:.1f}"))
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -79,81 +73,35 @@ def override_keys(overrides) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
-# ----------------------------------------------------------------------------- step table
-class StepTable:
-    """One console row per training step, read from verl's ``file`` logger (a JSON line
-    per step). verl trains inside a Ray actor; its file is the one channel that reaches
-    this driver without touching verl's trainer."""
-
-    def __init__(self, config: DictConfig, path: Path):
-        self.path, self._stop, self._offset = path, threading.Event(), 0
-        with open_dict(config):
-            loggers = config.trainer.logger
-            loggers = [loggers] if isinstance(loggers, str) else list(loggers)
-            if "file" not in loggers:
-                loggers.append("file")
-            config.trainer.logger = loggers
-            OmegaConf.update(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH",
-                             str(path), force_add=True)
-        self._thread = threading.Thread(target=self._follow, daemon=True)
-
-    def __enter__(self):
-        print(self.header(), flush=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._drain()  # rows written after the last poll
-
-    @staticmethod
-    def header() -> str:
-        return " | ".join([f"{'step':>4}"] + [f"{name:>{max(len(name), 9)}}" for name, _, _ in COLUMNS])
-
-    @staticmethod
-    def row(record: dict) -> str:
-        data, cells = record.get("data", {}), [f"{record.get('step', '?'):>4}"]
-        for name, key, fmt in COLUMNS:
-            value = data.get(key)
-            cells.append(f"{fmt.format(value) if value is not None else '-':>{max(len(name), 9)}}")
-        return " | ".join(cells)
-
-    def _follow(self):
-        while not self._stop.wait(1.0):
-            self._drain()
-
-    def _drain(self):
-        if not self.path.is_file():
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # a row still being written
-                self._offset += len(line)
-                print(self.row(json.loads(line)), flush=True)
-
-
 # ----------------------------------------------------------------------------- main
-def run(config: DictConfig, explicit: set[str] = frozenset(), table_path: Path | None = None) -> None:
-    """prepare + verl's main. ``table_path``: where verl's file logger writes (the table's source)."""
+def metrics_file(config: DictConfig, run_dir: Path) -> Path:
+    """``true_on_policy.metrics_file``, or ``metrics.jsonl`` in the run's output dir."""
+    given = config.true_on_policy.get("metrics_file")
+    return Path(str(given)).expanduser().absolute() if given else run_dir / "metrics.jsonl"
+
+
+def run(config: DictConfig, explicit: set[str] = frozenset(), metrics: Path | None = None) -> None:
+    """prepare + verl's main. ``metrics``: the metrics file (the console's source)."""
     from verl.trainer import main_ppo as verl_main_ppo
     prepare(config, explicit)
     if config.true_on_policy.get("check_sync", False):  # before Ray starts: every process inherits it
         os.environ[sync_check.ENV] = "1"
-    if not config.true_on_policy.step_table or table_path is None:
+    if not config.true_on_policy.get("verbose", False):
+        quiet.apply()
+    print(f"[true_on_policy] model {config.actor_rollout_ref.model.path}; starting Ray, the trainer "
+          f"and the rollout engines", flush=True)
+    if metrics is None:
         verl_main_ppo.main(config)  # hydra passes a given config straight to verl's main
         return
-    with StepTable(config, table_path):
+    route_metrics(config, metrics)
+    with Console(metrics, rows=config.true_on_policy.step_table):
         verl_main_ppo.main(config)
 
 
 @hydra.main(config_path="pkg://true_on_policy.configs", config_name="true_on_policy", version_base="1.3")
 def main(config: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    run(config, override_keys(hydra_cfg.overrides.task),
-        Path(hydra_cfg.runtime.output_dir) / "metrics.jsonl")
+    run(config, override_keys(hydra_cfg.overrides.task), metrics_file(config, Path(hydra_cfg.runtime.output_dir)))
 
 
 if __name__ == "__main__":

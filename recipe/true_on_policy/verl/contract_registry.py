@@ -14,11 +14,9 @@ The driver reads them every step: ``contract_match`` is 1.0 only when both roles
 and every fingerprint is one and the same string.
 """
 import json
-import logging
 import os
 import socket
 
-log = logging.getLogger("true_on_policy.verl")
 NAMESPACE = "true_on_policy"
 ROLES = ("trainer", "rollout")
 
@@ -39,7 +37,9 @@ def publish(role: str, fingerprints: list) -> None:
         return
     key = f"{prefix}{role}/{socket.gethostname()}-{os.getpid()}"
     internal_kv._internal_kv_put(key, json.dumps(list(fingerprints)), overwrite=True, namespace=NAMESPACE)
-    log.info("true_on_policy: %s contract %s", role, sorted(set(map(str, fingerprints))))
+    # start-up progress on the job's console (Ray forwards a worker's stdout to the driver)
+    print(f"[true_on_policy] {role} runs contract {', '.join(sorted(set(map(str, fingerprints))))}",
+          flush=True)
 
 
 def collect() -> dict[str, list]:

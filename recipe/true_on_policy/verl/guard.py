@@ -3,8 +3,10 @@
 verl already compares rollout and actor log-probs in ``calculate_debug_metrics``
 (training/rollout_probs_diff_*); we wrap it (both trainer generations import it) to
 add ``true_on_policy/*`` metrics on log-probs themselves and on the contract both engines
-ran (contract_registry), and to act on a mismatch of either.
-The trainer's config is captured when verl builds its trainer (``configure``).
+ran (contract_registry), and to act on a mismatch of either. The wrapper keeps verl's
+contract (same inputs accepted, verl's metrics unchanged) and adds ours only in a process
+whose trainer verl built (``configure`` captures its config there): a call anywhere else
+is verl's function as it is.
 """
 import functools
 import logging
@@ -20,6 +22,7 @@ log = logging.getLogger("true_on_policy.verl")
 PREFIX = "true_on_policy/"
 DEFAULTS = {"on_mismatch": "raise", "dump_dir": "/tmp/true_on_policy_mismatch"}
 _settings = dict(DEFAULTS)
+_trainer_built = False
 
 
 class TrueOnPolicyMismatch(RuntimeError):
@@ -56,12 +59,20 @@ def mismatch_report(rollout_lp, actor_lp, mask, metrics):
             f"Localise it with: python -m true_on_policy.check --model <actor model path> --localize")
 
 
+def response_mask(batch, rollout_lp):
+    """verl's choice of mask: response_mask, else the attention mask's response part,
+    else every token."""
+    for key in ("response_mask", "attention_mask"):
+        if key in batch:
+            return batch[key][:, -rollout_lp.shape[1]:]
+    return torch.ones_like(rollout_lp)
+
+
 def check_batch(data, contracts=None):
     """Metrics for one step's batch; raise or warn per ``on_mismatch``. ``contracts``:
     {role: [fingerprint, ...]}, read from this job's registry when not given."""
     rollout_lp, actor_lp = data.batch["rollout_log_probs"], data.batch["old_log_probs"]
-    mask = data.batch["response_mask"] if "response_mask" in data.batch else \
-        data.batch["attention_mask"][:, -rollout_lp.shape[1]:]
+    mask = response_mask(data.batch, rollout_lp)
     metrics = logdiff_metrics(rollout_lp, actor_lp, mask)
     contract_ok, contract_why = contract_registry.compare(
         contract_registry.collect() if contracts is None else contracts)
@@ -95,7 +106,8 @@ def _wrap(original):
     @functools.wraps(original)
     def calculate_debug_metrics(data):
         metrics = original(data)
-        metrics.update(check_batch(data))
+        if _trainer_built:
+            metrics.update(check_batch(data))
         return metrics
 
     calculate_debug_metrics._true_on_policy = True
@@ -109,7 +121,9 @@ def _capture_config(cls):
 
     @functools.wraps(init)
     def __init__(self, config, *args, **kwargs):
+        global _trainer_built
         configure(config)
+        _trainer_built = True
         init(self, config, *args, **kwargs)
 
     __init__._true_on_policy = True

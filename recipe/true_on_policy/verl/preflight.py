@@ -55,7 +55,9 @@ def _actor_rules(cfg):
     if _get(cfg, "actor_rollout_ref.model.use_fused_kernels", False):
         yield "actor_rollout_ref.model.use_fused_kernels=True bypasses the contract's log-probs; set False"
     if (_get(cfg, "actor_rollout_ref.model.lora_rank", 0) or 0) > 0:
-        yield "LoRA (actor_rollout_ref.model.lora_rank>0) is not covered; set lora_rank=0"
+        yield (f"actor_rollout_ref.model.lora_rank={_get(cfg, 'actor_rollout_ref.model.lora_rank')}: LoRA is not "
+               f"supported (vLLM applies adapters with its own LoRA kernels, not the contract's linear, and the "
+               f"shared model has no nn.Linear for PEFT to wrap); set lora_rank=0 (full fine-tuning)")
     dtype = _get(cfg, "actor_rollout_ref.rollout.dtype", "bfloat16")
     if dtype not in ("bfloat16", "bf16"):
         yield f"actor_rollout_ref.rollout.dtype={dtype!r}: the recipe computes in bfloat16; set bfloat16"

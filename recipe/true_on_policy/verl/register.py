@@ -13,9 +13,11 @@ import logging
 log = logging.getLogger("true_on_policy.verl")
 
 try:
+    from .. import quiet
     from . import cpu_support, swap_in
     cpu_support.apply()
     swap_in.apply()
+    quiet.install()   # only in a job whose driver asked for a quiet console (quiet.py)
 except Exception:  # noqa: BLE001 — see the module docstring
     log.warning("true_on_policy: verl registration failed", exc_info=True)
     raise

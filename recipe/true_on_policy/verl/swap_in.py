@@ -9,8 +9,9 @@ process only pays for what it uses:
                                               fast), the startup self-check, and the
                                               trainer's TP emulation degree
   TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
-  trainer       FSDP engine                    AutoModelForCausalLM -> the shared model;
-                                              log-probs -> consistent_ops.token_logprobs
+  trainer       FSDP engine                    the actor's / reference's model -> the
+                                              shared model; their log-probs ->
+                                              consistent_ops.token_logprobs
   trainer       Megatron engine                our layer spec + LM head + log-probs
                                               (true_on_policy.megatron.verl_engine)
   vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
@@ -23,6 +24,7 @@ process only pays for what it uses:
 import functools
 import logging
 import os
+from pathlib import Path
 
 from .hooks import after_import
 
@@ -53,21 +55,44 @@ def _driver(module):
 
 
 def _prepare_job(config):
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
+    from .. import console, quiet
     from . import preflight, self_check
     preflight.check(config)
+    if OmegaConf.select(config, "true_on_policy.verbose", default=None) is False:
+        quiet.apply()             # +true_on_policy.verbose=false: the recipe's quiet console
+    metrics = OmegaConf.select(config, "true_on_policy.metrics_file", default=None)
+    if metrics and console.routed(config) is None:   # a swap-in job's; the recipe routes its own
+        console.follow(config, Path(str(metrics)).expanduser().absolute())
     with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
         config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
     self_check.run(config)
 
 
-def _trainer_engine(_module):
+def _trainer_engine(module):
+    """verl's FSDP engine builds its model with ``get_hf_auto_model_class(hf_config)
+    .from_pretrained(config=hf_config)`` in ``_build_module``: the config's type picks the
+    class. Only there, and only for a language model (actor, reference; the critic is a
+    value model whose values the rollout never computes), the config becomes our marked
+    type; every other model of the process keeps transformers' class."""
     from .. import hf_model
     from . import trainer_logprobs
     hf_model.register()
-    trainer_logprobs.patch()
+    trainer_logprobs.patch(module)
+    build = module.FSDPEngine._build_module
+    if getattr(build, "_true_on_policy", False):
+        return
+
+    @functools.wraps(build)
+    def _build_module(self):
+        if self.model_config.model_type == "language_model":
+            self.model_config.hf_config = hf_model.scoped_config(self.model_config.hf_config)
+        return build(self)
+
+    _build_module._true_on_policy = True
+    module.FSDPEngine._build_module = _build_module
 
 
 def _megatron_engine(_module):
@@ -95,6 +120,8 @@ def _report_rollout_contract(server_cls):
     """Once the server's engine is up, ask each of its workers which contract its model
     runs and report it (contract_registry: the contract_match metric)."""
     run_server = server_cls.run_server
+    if getattr(run_server, "_true_on_policy", False):
+        return
 
     async def reporting_run_server(self, *args, **kwargs):
         result = await run_server(self, *args, **kwargs)
@@ -102,6 +129,7 @@ def _report_rollout_contract(server_cls):
         contract_registry.publish("rollout", await self.engine.collective_rpc("true_on_policy_contract"))
         return result
 
+    reporting_run_server._true_on_policy = True
     server_cls.run_server = functools.wraps(run_server)(reporting_run_server)
 
 

@@ -25,6 +25,8 @@ def worker_contract(worker):
 
 def register() -> None:
     global _registered
+    from .. import quiet
+    quiet.install()   # vLLM's engine and worker processes of a quiet job (quiet.py)
     if _registered or not enabled():
         return
     from vllm import ModelRegistry
