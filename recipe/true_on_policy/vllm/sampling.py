@@ -23,11 +23,17 @@ either. So the scheme is:
      i.e. exactly the contract's log-probs. The plugin's config hook sets it and
      installs the processor, so callers set nothing but TRUE_ON_POLICY=1.
 
-Anything that would change the distribution after step 2 (top-k, top-p, min-p,
-penalties, logit bias, bad words, allowed ids, min tokens) would make the reported
-number describe a different distribution, so ``validate_params`` rejects it at
-admission, as it rejects a temperature != 1 that bypasses step 1. Greedy requests
-(temperature 0) pick the argmax of the T=1 log-probs and report them.
+Truncation (top-k, top-p, min-p) is the contract's (``consistent_ops.truncate_logprobs``,
+which the trainer runs too): the settings travel like T, in ``extra_args``
+(``TRUNCATION_KEYS``; ``sampling_params`` moves them there), step 2 returns the
+truncated distribution's log-probs (-inf outside the kept set) and the engine's own
+top_k/top_p/min_p stay off, since applying vLLM's top-p again to the renormalised rows
+would cut further. Anything else that would change the distribution after step 2
+(the engine's top-k/top-p/min-p, penalties, logit bias, bad words, allowed ids, min
+tokens) would make the reported number describe a different distribution, so
+``validate_params`` rejects it at admission, as it rejects a temperature != 1 that
+bypasses step 1. Greedy requests (temperature 0) pick the argmax of the T=1 log-probs
+and report them.
 """
 
 import torch
@@ -39,15 +45,48 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 
 TEMPERATURE_KEY = "true_on_policy_temperature"
+# extra_args keys of the contract's truncation; values are the SamplingParams-style ones.
+TRUNCATION_KEYS = {"top_k": "true_on_policy_top_k", "top_p": "true_on_policy_top_p",
+                   "min_p": "true_on_policy_min_p"}
+_TRUNCATION_OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
 V1_PROCESSOR = "true_on_policy.vllm.sampling:ContractLogProbs"
 V2_PROCESSOR = "true_on_policy.vllm.sampling_v2:ContractLogProbsV2"
 _GREEDY_EPS = 1e-5   # vLLM's threshold below which a request is greedy
 
 
 def sampling_params(temperature: float, **kwargs) -> SamplingParams:
-    """SamplingParams for a rollout at ``temperature`` under the scheme above."""
+    """SamplingParams for a rollout at ``temperature`` under the scheme above; top_k /
+    top_p / min_p in ``kwargs`` become the contract's truncation (extra_args)."""
     extra = dict(kwargs.pop("extra_args", None) or {}, **{TEMPERATURE_KEY: float(temperature)})
+    extra.update(truncation_extra_args(kwargs))
     return SamplingParams(temperature=1.0, extra_args=extra, **kwargs)
+
+
+def truncation_extra_args(kwargs: dict) -> dict:
+    """Pops top_k/top_p/min_p from ``kwargs``; the extra_args entries of those that truncate."""
+    out = {}
+    for name, key in TRUNCATION_KEYS.items():
+        value = kwargs.pop(name, None)
+        if value is not None and value != _TRUNCATION_OFF[name] and not (name == "top_k" and value < 0):
+            out[key] = float(value) if name != "top_k" else int(value)
+    return out
+
+
+def rollout_truncation(params: SamplingParams) -> tuple:
+    """(top_k, top_p, min_p) the contract applies for a request (the off values when unset)."""
+    extra = params.extra_args or {}
+    return tuple(extra.get(key, _TRUNCATION_OFF[name]) for name, key in TRUNCATION_KEYS.items())
+
+
+def _truncation_problem(params: SamplingParams) -> str | None:
+    k, p, mp = rollout_truncation(params)
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        return f"extra_args[{TRUNCATION_KEYS['top_k']!r}]={k!r} must be an integer >= 0 (0: off)"
+    if not 0.0 < p <= 1.0:
+        return f"extra_args[{TRUNCATION_KEYS['top_p']!r}]={p!r} must be in (0, 1] (1: off)"
+    if not 0.0 <= mp <= 1.0:
+        return f"extra_args[{TRUNCATION_KEYS['min_p']!r}]={mp!r} must be in [0, 1] (0: off)"
+    return None
 
 
 def rollout_temperature(params: SamplingParams) -> float:
@@ -66,9 +105,14 @@ def validate(params: SamplingParams) -> None:
             f"true_on_policy: temperature={params.temperature}: the engine samples at 1.0 and the "
             f"rollout temperature goes in extra_args[{TEMPERATURE_KEY!r}] "
             f"(use true_on_policy.vllm.sampling.sampling_params(T, ...))")
+    problem = _truncation_problem(params)
+    if problem:
+        raise ValueError(f"true_on_policy: {problem}")
     for name, value in _distribution_changes(params).items():
+        fix = (f"pass it to true_on_policy.vllm.sampling.sampling_params(T, {name}=...), which applies it "
+               f"by the contract" if name in TRUNCATION_KEYS else "leave it at its default")
         raise ValueError(f"true_on_policy: {name}={value!r} changes the sampling distribution after the "
-                         f"contract's log-probs; it is not supported (leave it at its default)")
+                         f"contract's log-probs; it is not supported ({fix})")
 
 
 def _distribution_changes(params: SamplingParams) -> dict:
@@ -91,9 +135,21 @@ def tokenizer_length(model_config) -> int:
     return len(tok)
 
 
-def contract_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab_limit: int) -> torch.Tensor:
-    """Rows -> the contract's log-probs at each row's temperature (fp32 [rows, V])."""
-    return co.log_softmax(logits, temperatures, vocab_limit)
+def contract_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab_limit: int,
+                      truncation: tuple | None = None) -> torch.Tensor:
+    """Rows -> the contract's log-probs at each row's temperature (fp32 [rows, V]);
+    ``truncation`` = per-row (top_k, top_p, min_p) tensors, or None when no row truncates."""
+    lp = co.log_softmax(logits, temperatures, vocab_limit)
+    return lp if truncation is None else co.truncate_logprobs(lp, *truncation)
+
+
+def truncation_columns(settings: list, device) -> tuple | None:
+    """[(k, p, min_p) per row] -> the per-row tensors truncate_logprobs takes (None: all off)."""
+    if not any(co.truncation_active(*s) for s in settings):
+        return None
+    k, p, mp = zip(*settings)
+    return (torch.tensor(k, dtype=torch.int64, device=device), torch.tensor(p, dtype=torch.float64, device=device),
+            torch.tensor(mp, dtype=torch.float32, device=device))
 
 
 class ContractLogProbs(LogitsProcessor):
@@ -109,14 +165,18 @@ class ContractLogProbs(LogitsProcessor):
     def __init__(self, vllm_config, device, is_pin_memory):
         self.vocab_limit = tokenizer_length(vllm_config.model_config)
         self.temperature: dict[int, float] = {}   # persistent-batch index -> T
+        self.truncation: dict[int, tuple] = {}    # persistent-batch index -> (top_k, top_p, min_p)
 
     def is_argmax_invariant(self) -> bool:
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.temperature, batch_update, lambda p, _prompt, _out: rollout_temperature(p))
+        process_dict_updates(self.truncation, batch_update, lambda p, _prompt, _out: rollout_truncation(p))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         t = torch.tensor([self.temperature.get(i, 1.0) for i in range(logits.shape[0])],
                          dtype=torch.float32, device=logits.device)
-        return contract_logprobs(logits, t, self.vocab_limit)
+        off = (0, 1.0, 0.0)
+        cut = truncation_columns([self.truncation.get(i, off) for i in range(logits.shape[0])], logits.device)
+        return contract_logprobs(logits, t, self.vocab_limit, cut)
