@@ -39,6 +39,7 @@ and report them.
 import torch
 
 import consistent_ops as co
+from true_on_policy import truncation
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -46,9 +47,7 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 TEMPERATURE_KEY = "true_on_policy_temperature"
 # extra_args keys of the contract's truncation; values are the SamplingParams-style ones.
-TRUNCATION_KEYS = {"top_k": "true_on_policy_top_k", "top_p": "true_on_policy_top_p",
-                   "min_p": "true_on_policy_min_p"}
-_TRUNCATION_OFF = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
+TRUNCATION_KEYS = {name: f"true_on_policy_{name}" for name in truncation.NAMES}
 V1_PROCESSOR = "true_on_policy.vllm.sampling:ContractLogProbs"
 V2_PROCESSOR = "true_on_policy.vllm.sampling_v2:ContractLogProbsV2"
 _GREEDY_EPS = 1e-5   # vLLM's threshold below which a request is greedy
@@ -62,36 +61,30 @@ def sampling_params(temperature: float, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=1.0, extra_args=extra, **kwargs)
 
 
+def rollout_temperature(params: SamplingParams) -> float:
+    """The T whose log-probs a request reports (1.0 unless extra_args carries one)."""
+    return float((params.extra_args or {}).get(TEMPERATURE_KEY, 1.0))
+
+
 def truncation_extra_args(kwargs: dict) -> dict:
-    """Pops top_k/top_p/min_p from ``kwargs``; the extra_args entries of those that truncate."""
-    out = {}
-    for name, key in TRUNCATION_KEYS.items():
-        value = kwargs.pop(name, None)
-        if value is not None and value != _TRUNCATION_OFF[name] and not (name == "top_k" and value < 0):
-            out[key] = float(value) if name != "top_k" else int(value)
-    return out
+    """Pops top_k/top_p/min_p from ``kwargs``; the extra_args entries of the contract's
+    truncation (none when every setting is off)."""
+    values = [kwargs.pop(name, None) for name in truncation.NAMES]
+    if truncation.problems(*values):
+        return dict(zip(TRUNCATION_KEYS.values(), values))   # validate() names the bad value
+    cut = truncation.normalise(*values)
+    return {} if cut is None else dict(zip(TRUNCATION_KEYS.values(), cut))
 
 
 def rollout_truncation(params: SamplingParams) -> tuple:
     """(top_k, top_p, min_p) the contract applies for a request (the off values when unset)."""
     extra = params.extra_args or {}
-    return tuple(extra.get(key, _TRUNCATION_OFF[name]) for name, key in TRUNCATION_KEYS.items())
+    return tuple(extra.get(key, off) for key, off in zip(TRUNCATION_KEYS.values(), truncation.OFF))
 
 
 def _truncation_problem(params: SamplingParams) -> str | None:
-    k, p, mp = rollout_truncation(params)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        return f"extra_args[{TRUNCATION_KEYS['top_k']!r}]={k!r} must be an integer >= 0 (0: off)"
-    if not 0.0 < p <= 1.0:
-        return f"extra_args[{TRUNCATION_KEYS['top_p']!r}]={p!r} must be in (0, 1] (1: off)"
-    if not 0.0 <= mp <= 1.0:
-        return f"extra_args[{TRUNCATION_KEYS['min_p']!r}]={mp!r} must be in [0, 1] (0: off)"
-    return None
-
-
-def rollout_temperature(params: SamplingParams) -> float:
-    """The T whose log-probs a request reports (1.0 unless extra_args carries one)."""
-    return float((params.extra_args or {}).get(TEMPERATURE_KEY, 1.0))
+    found = truncation.problems(*rollout_truncation(params))
+    return f"{found[0]} (extra_args {list(TRUNCATION_KEYS.values())})" if found else None
 
 
 def validate(params: SamplingParams) -> None:
@@ -136,11 +129,10 @@ def tokenizer_length(model_config) -> int:
 
 
 def contract_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab_limit: int,
-                      truncation: tuple | None = None) -> torch.Tensor:
+                      cut: tuple | None = None) -> torch.Tensor:
     """Rows -> the contract's log-probs at each row's temperature (fp32 [rows, V]);
-    ``truncation`` = per-row (top_k, top_p, min_p) tensors, or None when no row truncates."""
-    lp = co.log_softmax(logits, temperatures, vocab_limit)
-    return lp if truncation is None else co.truncate_logprobs(lp, *truncation)
+    ``cut`` = per-row (top_k, top_p, min_p) tensors, or None when no row truncates."""
+    return co.log_softmax(logits, temperatures, vocab_limit, cut)
 
 
 def truncation_columns(settings: list, device) -> tuple | None:
