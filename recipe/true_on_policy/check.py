@@ -168,16 +168,28 @@ def write_plan(args, model_dir, prompts, workdir):
     return plan, path
 
 
-def recompute(args, phases, vocab_limit):
+def recompute(args, phases, vocab_limit, cut="rollout's"):
+    """The trainer's log-probs per phase; ``cut``: the truncation it applies (default: the
+    rollout's; None: untruncated, what a trainer unaware of the rollout's truncation scores)."""
     from true_on_policy import check_trainer as tr
     out, dtype = [], tr.compute_dtype(phases[0]["weights"])
+    cut = truncation(args) if cut == "rollout's" else cut
     for phase in phases:
         if args.stock:
             out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], args.temperature))
         else:
             out.append(tr.consistent_logprobs(phase["weights"], phase["sequences"], args.temperature,
-                                              args.tp, vocab_limit, dtype, truncation(args)))
+                                              args.tp, vocab_limit, dtype, cut))
     return out
+
+
+def untruncated_gap(args, phases, vocab_limit):
+    """With truncation on: how far the trainer's UNtruncated log-probs are from the rollout's
+    (the gap exact truncation removes); JSON keys untruncated_*."""
+    if args.stock or truncation(args) is None:
+        return {}
+    total = compare_phases(phases, recompute(args, phases, vocab_limit, cut=None))["total"]
+    return {f"untruncated_{k}": total[k] for k in ("max_abs_logdiff", "mean_abs_logdiff", "frac_exact")}
 
 
 def main(argv=None):
@@ -200,6 +212,7 @@ def main(argv=None):
         t1 = time.time()
         trainer = recompute(args, result["phases"], len(tok))
         stats = compare_phases(result["phases"], trainer)
+        gap = untruncated_gap(args, result["phases"], len(tok))
         say(f"recomputed in {time.time() - t1:.1f}s")
         localize = None
         if args.localize and stats["first_mismatch"] is not None:
@@ -207,7 +220,7 @@ def main(argv=None):
             localize = localize_mismatch(args, rollout, result, stats, workdir, len(tok))
     finally:
         rollout.close()
-    summary = summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0)
+    summary = {**summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0), **gap}
     print_summary(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

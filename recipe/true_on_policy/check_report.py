@@ -84,7 +84,8 @@ def print_summary(s):
         f"  model       {s['model']}",
         f"  rollout     {rollout}, TP {s['tp']}   contract {s['rollout_fingerprint'] or '-'}",
         f"  trainer     {trainer}   contract {s['trainer_fingerprint'] or '-'}",
-        f"  sampling    T={s['temperature']}{_truncation_text(s)}, seed {s['seed']}, {s['num_sequences']} sequences",
+        f"  sampling    T={s['temperature']}{_truncation_text(s)}, seed {s['seed']}, "
+        f"{s['num_sequences']} sequences",
         f"  scheduling  max_num_batched_tokens={s['max_num_batched_tokens']} ({s['chunked_prompts']} prompts "
         f"chunked), prefix caching {'on' if s['enable_prefix_caching'] else 'off'}{hits}, page {s['block_size']}",
         "-" * 78,
@@ -99,6 +100,10 @@ def print_summary(s):
     if s["rollout_tokens_per_s"]:
         lines.append(f"  rollout {s['rollout_tokens_per_s']:.0f} tokens/s (engine start {s['engine_start_s']:.0f}s), "
                      f"wall {s['wall_s']:.0f}s")
+    if "untruncated_max_abs_logdiff" in s:
+        lines.append(f"  a trainer scoring the UNtruncated distribution would be off by max "
+                     f"{s['untruncated_max_abs_logdiff']:.4g}, mean {s['untruncated_mean_abs_logdiff']:.4g} "
+                     f"({100 * s['untruncated_frac_exact']:.1f} % exact)")
     if s["localize"]:
         lines.append("  localize: " + s["localize"]["text"].lstrip())
     bad = s["num_tokens"] - s["num_exact"]

@@ -4,7 +4,8 @@
 ``register()`` maps Qwen3Config / Qwen3MoeConfig to ``TrueOnPolicyForCausalLM``, whose
 submodules, parameter names and math are models.CausalLM's: the trainer then runs the
 same layers as the rollout. TP of the rollout is emulated through the config attribute
-``true_on_policy_tp_size`` (set with verl's ``model.override_config``).
+``true_on_policy_tp_size`` (set with verl's ``model.override_config``), the rollout's
+top-k / top-p / min-p through ``truncation.CONFIG_ATTRS`` the same way.
 """
 import logging
 
@@ -12,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import truncation
 from .models import ModelConfig, TensorParallel, TrainerMixin, build_causal_lm
 
 log = logging.getLogger(__name__)
@@ -22,11 +24,19 @@ DTYPE_ATTR = "true_on_policy_dtype"
 # Rows >= len(tokenizer) are excluded from log-probs (the rollout masks them too).
 VOCAB_ATTR = "true_on_policy_vocab_limit"
 _active_vocab_limit = None
+# The rollout's top_k / top_p / min_p (truncation.CONFIG_ATTRS): log-probs are those of the
+# truncated distribution the rollout samples from.
+_active_truncation = None
 
 
 def active_vocab_limit():
     """The padded-vocabulary limit of the model this process built (None: none built)."""
     return _active_vocab_limit
+
+
+def active_truncation():
+    """(top_k, top_p, min_p) of the model this process built, or None (untruncated)."""
+    return _active_truncation
 
 
 def _tokenizer_length(path):
@@ -49,8 +59,9 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         if getattr(config, DTYPE_ATTR, None):
             cfg.dtype = getattr(torch, str(getattr(config, DTYPE_ATTR)).replace("torch.", ""))
         build_causal_lm(self, cfg, TensorParallel(size=int(getattr(config, TP_ATTR, 1) or 1)))
-        global _active_vocab_limit
+        global _active_vocab_limit, _active_truncation
         self.vocab_limit = _active_vocab_limit = getattr(config, VOCAB_ATTR, None)
+        _active_truncation = truncation.normalise(*(getattr(config, a, None) for a in truncation.CONFIG_ATTRS))
         if cfg.tie_word_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 

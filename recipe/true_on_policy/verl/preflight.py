@@ -35,12 +35,16 @@ def _rollout_rules(cfg):
                f"(the plugin supplies the attention backend)")
     if not _get(cfg, ro + "calculate_log_probs", True):
         yield f"{ro}calculate_log_probs=False leaves nothing to compare; set it to True"
-    for key in ("top_k", "top_p"):
-        if _get(cfg, ro + key) not in (None, -1, 0, 1, 1.0):
-            yield (f"{ro}{key}={_get(cfg, ro + key)} changes the sampling distribution after the contract's "
-                   f"log-probs; leave it at its default")
+    yield from _truncation_rules(cfg, ro)
     if _get(cfg, ro + "temperature", 1.0) <= 0:
         yield f"{ro}temperature={_get(cfg, ro + 'temperature')} must be > 0 for an RL rollout"
+
+
+def _truncation_rules(cfg, ro):
+    """top_k / top_p are applied by the contract on both sides (truncation.py); verl has no min_p."""
+    from ..truncation import problems
+    for problem in problems(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p")):
+        yield f"{ro}{problem}"
 
 
 def _actor_rules(cfg):
