@@ -55,3 +55,8 @@ def test_rollout_top_k_top_p_pass_preflight_and_reach_the_trainer_config():
     assert {p for p in preflight.problems(bad) if "top_" in p} == {
         "actor_rollout_ref.rollout.top_k=-2 must be an integer >= 1 (0 or -1: off)",
         "actor_rollout_ref.rollout.top_p=1.5 must be in (0, 1] (1: off)"}
+    kl = _compose(["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.use_kl_loss=true",
+                   "actor_rollout_ref.actor.kl_loss_type=k1"])
+    assert any("kl_loss_type='k1' with top_k/top_p" in p for p in preflight.problems(kl))
+    assert not any("kl_loss_type" in p for p in preflight.problems(
+        _compose(["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k1"])))

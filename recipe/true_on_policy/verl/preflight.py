@@ -40,11 +40,26 @@ def _rollout_rules(cfg):
         yield f"{ro}temperature={_get(cfg, ro + 'temperature')} must be > 0 for an RL rollout"
 
 
+_UNBOUNDED_KL = ("kl", "k1", "abs", "mse", "k2")
+
+
 def _truncation_rules(cfg, ro):
-    """top_k / top_p are applied by the contract on both sides (truncation.py); verl has no min_p."""
-    from ..truncation import problems
-    for problem in problems(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p")):
-        yield f"{ro}{problem}"
+    """top_k / top_p are applied by the contract on both sides (truncation.py); verl has no
+    min_p. Truncated log-probs are -inf outside the kept set: the reference model's can be,
+    for a sampled token, and verl's unclamped KL estimators then become infinite."""
+    from ..truncation import normalise, problems
+    found = problems(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p"))
+    yield from (f"{ro}{problem}" for problem in found)
+    if found or normalise(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p")) is None:
+        return
+    ac = "actor_rollout_ref.actor."
+    kinds = {ac + "kl_loss_type": _get(cfg, ac + "use_kl_loss", False) and _get(cfg, ac + "kl_loss_type", "kl"),
+             "algorithm.kl_penalty": _get(cfg, "algorithm.use_kl_in_reward", False)
+             and _get(cfg, "algorithm.kl_penalty", "kl")}
+    for key, kind in kinds.items():
+        if kind in _UNBOUNDED_KL:
+            yield (f"{key}={kind!r} with top_k/top_p: the reference's truncated log-prob of a sampled "
+                   f"token can be -inf, making this KL infinite; use low_var_kl (clamped)")
 
 
 def _actor_rules(cfg):
