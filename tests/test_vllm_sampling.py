@@ -54,7 +54,9 @@ def draws(tmp_path_factory):
     model = ensure_tiny_model(tmp_path_factory.mktemp("models"), "qwen3")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model)
-    prompt = tok("Question: What is 12+30? Think step by step. Answer:")["input_ids"]
+    text = "Question: what is the sum of the apples and the books that each of them buys? Think step by step. " * 4
+    prompt = tok(text)["input_ids"][:65]          # 2 full KV pages of 32: each draw recomputes 1 token
+    assert len(prompt) == 65
     env = {**os.environ, "TRUE_ON_POLICY": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     res = subprocess.run([sys.executable, "-c", SCRIPT, str(model), json.dumps(prompt), str(DRAWS), str(T),

@@ -1,9 +1,9 @@
 """Startup self-check: before step 1, probe sequences through both engines.
 
 Runs ``python -m true_on_policy.check`` with the job's model, rollout TP, temperature,
-top-k / top-p, batching and prefix caching (a vLLM engine with the plugin, then the trainer's model in
-another process) and stops the job with the check's report unless every probe token's
-log-prob is bitwise equal. ``true_on_policy.self_check.enable=false`` skips it.
+top-k / top-p, batching and prefix caching (a vLLM engine with the plugin, then the
+trainer's model in another process) and stops the job with the check's report unless
+every probe token's log-prob is bitwise equal. ``true_on_policy.self_check.enable=false`` skips it.
 """
 import json
 import subprocess

@@ -9,8 +9,8 @@ truncation (top-k / top-p, hf_model.active_truncation: the rollout config's valu
 every sample of the job carries the settings its tokens were drawn with), so
 old_log_prob, ref and the policy-update forward all compute the rollout's bits: the
 log-probs of the truncated distribution (-inf outside its kept set, where no response
-token can be: each was drawn from it). The first call in a
-worker reports the contract it ran (contract_registry: the contract_match metric).
+token can be: each was drawn from it). The first call in a worker reports the contract
+it ran (contract_registry: the contract_match metric).
 """
 import logging
 

@@ -71,7 +71,7 @@ def truncation_extra_args(kwargs: dict) -> dict:
     truncation (none when every setting is off)."""
     values = [kwargs.pop(name, None) for name in truncation.NAMES]
     if truncation.problems(*values):
-        return dict(zip(TRUNCATION_KEYS.values(), values))   # validate() names the bad value
+        return {k: v for k, v in zip(TRUNCATION_KEYS.values(), values) if v is not None}   # validate() names it
     cut = truncation.normalise(*values)
     return {} if cut is None else dict(zip(TRUNCATION_KEYS.values(), cut))
 
