@@ -17,7 +17,9 @@ _SCALE = float(2 ** TRUNCATION_FIXED_BITS)
 def row_settings(top_k, top_p, min_p, rows, device):
     """Per-row columns [rows, 1]: top_k int64 (<= 0: off), top_p fp64, min_p fp32."""
     def column(value, dtype):
-        t = torch.as_tensor(value, dtype=dtype, device=device)
+        if not isinstance(value, torch.Tensor):     # a device fill, not a host-to-device copy
+            return torch.full((rows, 1), value, dtype=dtype, device=device)
+        t = value.to(device=device, dtype=dtype)
         return t.reshape(-1, 1) if t.ndim else t.reshape(1, 1).expand(rows, 1)
     return column(top_k, torch.int64), column(top_p, torch.float64), column(min_p, torch.float32)
 
