@@ -27,6 +27,24 @@ def test_indivisible_tp_fails_before_any_engine(tmp_path):
     assert "[rollout]" not in res.stdout
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"), (["--min-p", "-0.1"], "--min-p -0.1 must be in [0, 1]"),
+    (["--top-k", "-3"], "--top-k -3 must be an integer >= 1"),
+])
+def test_bad_truncation_flag_is_a_usage_error(flags, message, capsys):
+    from true_on_policy import check
+    with pytest.raises(SystemExit) as exc:
+        check.parse_args(flags)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_truncation_flags_map_to_the_contract():
+    from true_on_policy import check
+    assert check.truncation(check.parse_args([])) is None
+    assert check.truncation(check.parse_args(["--top-k", "-1", "--top-p", "1"])) is None
+    assert check.truncation(check.parse_args(["--top-k", "20", "--top-p", "0.9"])) == (20, 0.9, 0.0)
+
+
 def test_compare_phases_counts_bitwise_equality():
     seqs = [{"prompt": [1], "output": [2, 3], "logprobs": [-1.5, -2.25]},
             {"prompt": [1], "output": [4], "logprobs": [-0.5]}]

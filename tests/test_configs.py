@@ -39,3 +39,27 @@ def test_preflight_rejects_tp8_for_qwen3_30b(tmp_path):
                     "actor_rollout_ref.rollout.tensor_model_parallel_size=8"])
     assert any("num_key_value_heads=4 is not divisible by tensor_parallel_size=8" in p
                for p in preflight.problems(cfg))
+
+
+def test_rollout_top_k_top_p_pass_preflight_and_reach_the_trainer_config():
+    """Truncation is the contract's on both sides: accepted, bad values named, and the
+    driver carries the rollout's values to the trainer's model config (hf_model)."""
+    from omegaconf import open_dict
+
+    from true_on_policy import truncation
+    from true_on_policy.verl import swap_in
+    cfg = _compose(["actor_rollout_ref.rollout.top_k=20", "actor_rollout_ref.rollout.top_p=0.9"])
+    assert preflight.problems(cfg) == []
+    with open_dict(cfg):
+        swap_in._carry_truncation(cfg)
+    oc = cfg.actor_rollout_ref.model.override_config
+    assert [oc[a] for a in truncation.CONFIG_ATTRS] == [20, 0.9, 0.0]
+    bad = _compose(["actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_k=-2"])
+    assert {p for p in preflight.problems(bad) if "top_" in p} == {
+        "actor_rollout_ref.rollout.top_k=-2 must be an integer >= 1 (0 or -1: off)",
+        "actor_rollout_ref.rollout.top_p=1.5 must be in (0, 1] (1: off)"}
+    kl = _compose(["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.actor.use_kl_loss=true",
+                   "actor_rollout_ref.actor.kl_loss_type=k1"])
+    assert any("kl_loss_type='k1' with top_k/top_p" in p for p in preflight.problems(kl))
+    assert not any("kl_loss_type" in p for p in preflight.problems(
+        _compose(["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k1"])))

@@ -45,9 +45,11 @@ def assert_readable_console(out, records, metrics):
     assert "rollout runs contract cops-" in out and "trainer runs contract cops-" in out   # start-up progress
 
 
-def test_grpo_three_steps_then_resume(tmp_path):
+def test_grpo_three_steps_top_p_top_k_then_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
-    common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto", *REWARD]
+    # Qwen3's recommended truncation, applied by the contract on both sides (issue 14)
+    common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto", *REWARD,
+              "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20"]
     rc, out, records = _train(tmp_path, "qwen3_moe", ON, steps=3, overrides=common)
     assert_exact_every_step(rc, out, records, steps=[1, 2, 3])
     assert_readable_console(out, records, tmp_path / "run" / "metrics.jsonl")
@@ -102,9 +104,9 @@ def test_swap_in_stock_verl_job(tmp_path):
 def test_bad_setting_fails_fast(tmp_path):
     start = time.time()
     rc, out, _ = _train(tmp_path, "qwen3_moe", ON, steps=1,
-                        overrides=["actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
+                        overrides=["actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
     assert rc != 0 and time.time() - start < 120
-    assert "top_p=0.9 changes the sampling distribution" in out
+    assert "top_p=1.5 must be in (0, 1]" in out
     assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in out
     assert "Started a local Ray instance" not in out          # rejected before anything starts
 

@@ -3,8 +3,8 @@ reported log-prob equals the trainer's, bitwise, and stock vLLM does not.
 
 Four engine runs, each covering several configurations at once (2-core CI: engine
 start-up dominates):
-  MoE   TP 2  T 0.7  chunked prefill + prefix caching + in-place weight update
-  dense TP 1  T 1.0  chunked prefill + prefix caching
+  MoE   TP 2  T 0.7  top-k 20 top-p 0.9, chunked prefill + prefix caching + in-place weight update
+  dense TP 1  T 1.0  min-p 0.05, chunked prefill + prefix caching
   stock MoE TP 1  T 0.7                                   -> max |d| > 0
   dense TP 2  one op broken in the rollout + --localize   -> the report names it
 TP 1 runs keep vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same
@@ -49,7 +49,9 @@ def run_check(tmp_path, *args, env=None, tp=1):
 
 
 def assert_exact(res, s):
+    """... and, with truncation on, the untruncated scores (a stock trainer's) are off."""
     assert res.returncode == 0, res.stdout[-3000:]
+    assert s["untruncated_max_abs_logdiff"] > 0 and s["untruncated_frac_exact"] < 1
     assert s["max_abs_logdiff"] == 0.0 and s["mean_abs_logdiff"] == 0.0 and s["frac_exact"] == 1.0
     assert s["rollout_fingerprint"] == s["trainer_fingerprint"] is not None
     for phase in s["phases"]:
@@ -57,16 +59,16 @@ def assert_exact(res, s):
     assert s["chunked_prompts"] > 0 and s["prefix_cache_hits"] > 0
 
 
-def test_moe_tp2_chunked_prefix_cached_weight_update_is_exact(tmp_path, models):
-    res, s = run_check(tmp_path, "--model", models["qwen3_moe"], "--temperature", 0.7,
+def test_moe_tp2_topk_topp_chunked_prefix_cached_weight_update_is_exact(tmp_path, models):
+    res, s = run_check(tmp_path, "--model", models["qwen3_moe"], "--temperature", 0.7, "--top-k", 20, "--top-p", 0.9,
                        "--max-num-batched-tokens", 64, "--enable-prefix-caching",
                        "--update-weights-from", models["qwen3_moe_b"], tp=2)
     assert_exact(res, s)
     assert len(s["phases"]) == 2 and s["phase_outputs_differ"]
 
 
-def test_dense_tp1_chunked_prefix_cached_is_exact(tmp_path, models):
-    res, s = run_check(tmp_path, "--model", models["qwen3"], "--temperature", 1.0,
+def test_dense_tp1_minp_chunked_prefix_cached_is_exact(tmp_path, models):
+    res, s = run_check(tmp_path, "--model", models["qwen3"], "--temperature", 1.0, "--min-p", 0.05,
                        "--max-num-batched-tokens", 64, "--enable-prefix-caching")
     assert_exact(res, s)
 

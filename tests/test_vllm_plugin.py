@@ -205,7 +205,7 @@ def test_validate_rejects_what_would_change_the_distribution(kwargs, match):
 
 def _processor():
     proc = object.__new__(sampling.ContractLogProbs)
-    proc.vocab_limit, proc.temperature = 90, {}
+    proc.vocab_limit, proc.temperature, proc.truncation = 90, {}, {}
     return proc
 
 
@@ -227,11 +227,15 @@ def test_v1_processor_rows_are_the_contract_logprobs_after_moves():
     assert math.isclose(float(torch.logsumexp(out[0], 0)), 0.0, abs_tol=1e-5)
 
 
-def test_v2_processor_reads_temperature_by_slot():
-    from true_on_policy.vllm.sampling_v2 import ContractLogProbsV2
-    proc = object.__new__(ContractLogProbsV2)
-    proc.vocab_limit, proc.staged = 90, torch.ones(4)
-    proc.temperature = proc.staged.clone()
+def _processor_v2(monkeypatch, slots=4):
+    from true_on_policy.vllm import sampling_v2
+    monkeypatch.setattr(sampling_v2, "tokenizer_length", lambda _model_config: 90)
+    return sampling_v2.ContractLogProbsV2(SimpleNamespace(model_config=None),
+                                          SimpleNamespace(max_num_reqs=slots, device="cpu"))
+
+
+def test_v2_processor_reads_temperature_by_slot(monkeypatch):
+    proc = _processor_v2(monkeypatch)
     assert proc.add_request(3, sampling.sampling_params(0.5))
     proc.apply_staged_writes()
     logits = torch.randn(2, 100)
@@ -274,3 +278,60 @@ def test_padded_decode_batch_is_one_call_over_the_persistent_buffers():
         impl.forward(None, q[:size], k[:size], k[:size], cache, built, out)
         outs.append(out[:3])
     assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()
+
+
+# ----------------------------------------------------------------------------- truncation
+CUT = dict(top_k=20, top_p=0.9, min_p=0.02)
+
+
+def test_sampling_params_move_truncation_to_the_contract():
+    """The engine's own top-k/top-p/min-p stay off (vLLM's top-p on the renormalised rows
+    would cut again); the contract's settings travel in extra_args."""
+    p = sampling.sampling_params(0.7, max_tokens=3, **CUT)
+    assert (p.top_k, p.top_p, p.min_p) in ((0, 1.0, 0.0), (-1, 1.0, 0.0))
+    assert sampling.rollout_truncation(p) == (20, 0.9, 0.02)
+    sampling.validate(p)
+    off = sampling.sampling_params(0.7, top_k=-1, top_p=1.0, min_p=0.0)
+    assert sampling.rollout_truncation(off) == (0, 1.0, 0.0)
+    assert not any(k in off.extra_args for k in sampling.TRUNCATION_KEYS.values())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(top_p=1.5), "top_p.*must be in \\(0, 1\\]"), (dict(min_p=-0.5), "min_p.*must be in"),
+])
+def test_validate_rejects_bad_truncation_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sampling.validate(sampling.sampling_params(1.0, **kwargs))
+
+
+def test_engine_level_top_p_names_the_contract_channel():
+    with pytest.raises(ValueError, match="sampling_params\\(T, top_p=...\\)"):
+        sampling.validate(sampling.SamplingParams(temperature=1.0, top_p=0.9))
+
+
+def test_v1_processor_truncates_per_request():
+    """Mixed batch (truncating and plain rows): each row is the contract's truncated
+    log-probs of that row alone; vLLM's softmax of it puts no mass outside the kept set."""
+    proc, logits = _processor(), torch.randn(3, 100) * 3
+    params = [sampling.sampling_params(0.7, **CUT), sampling.sampling_params(1.0),
+              sampling.sampling_params(1.3, top_p=0.5)]
+    proc.update_state(BatchUpdate(3, removed=[], added=[(i, p, [1], []) for i, p in enumerate(params)], moved=[]))
+    out = proc.apply(logits.clone())
+    cuts = [(20, 0.9, 0.02), None, (0, 0.5, 0.0)]
+    for row, (t, cut) in enumerate(zip([0.7, 1.0, 1.3], cuts)):
+        alone = co.log_softmax(logits[row:row + 1], t, 90, cut)[0]
+        assert torch.equal(out[row], alone)
+        assert torch.equal(out[row, 7:8], co.token_logprobs(logits[row:row + 1], torch.tensor([7]), t, 90, cut))
+    assert (out[0] > float("-inf")).sum() <= 20 and torch.equal(out[1], co.log_softmax(logits[1:2], 1.0, 90)[0])
+    probs = torch.softmax(out, -1)
+    assert torch.all(probs[torch.isneginf(out)] == 0)
+
+
+def test_v2_processor_truncates_by_slot(monkeypatch):
+    proc = _processor_v2(monkeypatch)
+    assert proc.add_request(2, sampling.sampling_params(0.5, **CUT))
+    proc.apply_staged_writes()
+    logits = torch.randn(2, 100)
+    out = proc.apply(logits.clone(), SimpleNamespace(expanded_idx_mapping=torch.tensor([2, 0])))
+    assert torch.equal(out[0], co.log_softmax(logits[:1], 0.5, 90, (20, 0.9, 0.02))[0])
+    assert torch.equal(out[1], co.log_softmax(logits[1:], 1.0, 90)[0])

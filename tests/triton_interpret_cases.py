@@ -328,3 +328,26 @@ def test_one_kernel_plan_equals_the_torch_plan(t, k, n_exp, lo, n_local, bm):
     assert torch.equal(fused["order"], ref["order"]) and torch.equal(fused["tile_e"], ref["tile_e"])
     assert torch.equal(fused["row0"][live], ref["row0"][live]) and torch.equal(fused["row_end"][live], ref["row_end"][live])
     assert (fused["row0"][~live] >= fused["row_end"][~live]).all()
+
+
+# ---------------------------------------------------------------- truncation
+def test_truncation_keeps_the_reference_set_and_is_row_invariant():
+    """The device truncation (sort, fixed-point kernel, boundary-compare kernel) keeps
+    exactly the tokens the reference rule keeps (ties included: a row of equal values),
+    a row alone == the row in a batch with mixed settings, off rows come back unchanged."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 1500, generator=g) * 3
+    logits[3, 100:400] = logits[3].max()                       # 300 tied maxima: ties -> lower ids
+    lp = T.log_softmax(logits, 0.8, vocab_limit=1400)
+    k = torch.tensor([20, 0, 0, 7])
+    p = torch.tensor([0.9, 0.8, 1.0, 1.0], dtype=torch.float64)
+    mp = torch.tensor([0.0, 0.05, 0.0, 0.0])
+    assert torch.equal(T.truncation.keep_mask(lp, k, p, mp), R.truncation.keep_mask(lp, k, p, mp))
+    out = T.truncate_logprobs(lp, k, p, mp)
+    for r in range(4):
+        alone = T.truncate_logprobs(lp[r:r + 1], int(k[r]), float(p[r]), float(mp[r]))
+        assert torch.equal(out[r:r + 1], alone)
+    assert torch.equal(out[2], lp[2])
+    assert torch.nonzero(out[3] > float("-inf")).reshape(-1).tolist() == list(range(100, 107))
+    ref = R.truncate_logprobs(lp, k, p, mp)
+    assert torch.allclose(out[out > float("-inf")], ref[ref > float("-inf")], atol=1e-6)

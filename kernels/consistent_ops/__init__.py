@@ -93,12 +93,32 @@ def moe_combine(contrib, out_dtype):
     return get_backend().moe_combine(contrib, out_dtype)
 
 
-def log_softmax(logits, temperature=1.0, vocab_limit=None):
-    return get_backend().log_softmax(logits, temperature, vocab_limit)
+def log_softmax(logits, temperature=1.0, vocab_limit=None, truncation=None):
+    """fp32 log-probs [rows, V]; ``truncation`` = (top_k, top_p, min_p) scalars or per-row
+    tensors: the truncated distribution's log-probs (truncate_logprobs), None: untruncated."""
+    lp = get_backend().log_softmax(logits, temperature, vocab_limit)
+    return lp if truncation is None else truncate_logprobs(lp, *truncation)
 
 
-def token_logprobs(logits, token_ids, temperature=1.0, vocab_limit=None):
-    return get_backend().token_logprobs(logits, token_ids, temperature, vocab_limit)
+def token_logprobs(logits, token_ids, temperature=1.0, vocab_limit=None, truncation=None):
+    """fp32 log-prob [rows] of token_ids; with ``truncation`` (see log_softmax) through the
+    full truncated rows, so it is log_softmax(..., truncation) gathered, bit for bit."""
+    if truncation is None:
+        return get_backend().token_logprobs(logits, token_ids, temperature, vocab_limit)
+    lp = log_softmax(logits, temperature, vocab_limit, truncation)
+    return lp.gather(-1, token_ids.long().reshape(-1, 1)).reshape(-1)
+
+
+def truncate_logprobs(logp, top_k=0, top_p=1.0, min_p=0.0):
+    """Top-k / top-p / min-p (contract.COMMON["truncation"]) of contract log-probs logp
+    [rows, V] (log_softmax's output); settings are scalars or per-row tensors [rows].
+    Returns the truncated distribution's fp32 log-probs, -inf outside the kept set."""
+    return get_backend().truncate_logprobs(logp, top_k, top_p, min_p)
+
+
+def truncation_active(top_k=0, top_p=1.0, min_p=0.0) -> bool:
+    """Whether these (scalar) settings truncate at all (else truncate_logprobs is skipped)."""
+    return (top_k or 0) > 0 or (1.0 if top_p is None else top_p) < 1.0 or (min_p or 0.0) > 0.0
 
 
 __all__ = [n for n in dir() if not n.startswith("_")]

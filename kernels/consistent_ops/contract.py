@@ -18,6 +18,10 @@ VERSION = 1
 # It is independent of the KV-cache page size on purpose (rule 2/3 of the seeds).
 KV_BLOCK = 64
 
+# Truncation (top-k / top-p / min-p) sums probabilities as int64 fixed point with this
+# many fraction bits: every sum is then exact, so no summation order can reach the bits.
+TRUNCATION_FIXED_BITS = 60
+
 COMMON = {
     "attention": (
         "causal GQA; keys walked in blocks of KV_BLOCK from position 0 in order; per block "
@@ -59,6 +63,19 @@ COMMON = {
         "CPU paths differ in fp32); rsqrt/sigmoid/silu kernels are never used; sqrt and "
         "division are IEEE correctly rounded"),
     "tie_rule": "top-k ties resolve to the lower index",
+    "truncation": (
+        "input: a row's contract log-probs logp (logprobs rule, T applied); per row top_k (off when "
+        "<= 0 or >= V), top_p (fp64; off when >= 1), min_p (rounded to fp32; off when <= 0); a row "
+        "with every setting off is returned unchanged. rank = position in the descending order of "
+        "logp, ties to the LOWER token id (stable sort); prob = exp(logp) per transcendentals, fp32; "
+        "q = floor(prob * 2^" + str(TRUNCATION_FIXED_BITS) + ") as int64 (exact fixed point: every "
+        "sum below is exact, in any order). Kept = the first n ranks, n = max(1, min(n_k, n_p, "
+        "n_m)): n_k = top_k; top-p within the top-k set: S = sum of q over ranks < n_k, C_r = sum of "
+        "q over ranks < r, rank r < n_k kept while fp64(C_r) < top_p * fp64(S) (fp64 multiply), "
+        "i.e. the smallest prefix whose mass reaches top_p of the top-k mass; min-p: rank r kept "
+        "while prob_r >= min_p * prob_max (fp32 multiply; relative to the max it commutes with "
+        "the others). Output: the logprobs rule at T = 1 on logp with every token outside the "
+        "kept set at -inf: the kept set renormalised by the contract's log-sum-exp, -inf outside"),
 }
 
 # How each backend realises contract_dot and reductions. The reference backend

@@ -41,6 +41,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="the contract's top-k (0 or -1: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="the contract's top-p (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="the contract's min-p (0: off)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -56,7 +59,20 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if not a.temperature > 0:
         p.error("--temperature must be > 0 (the contract's log-probs are defined for sampling)")
+    truncation_errors(p, a)
     return a
+
+
+def truncation_errors(p, a):
+    from true_on_policy.truncation import problems
+    for problem in problems(a.top_k, a.top_p, a.min_p):
+        p.error("--" + problem.replace("_", "-", 1).replace("=", " ", 1))
+
+
+def truncation(args):
+    """(top_k, top_p, min_p) of the contract, or None when every setting is off."""
+    from true_on_policy.truncation import normalise
+    return normalise(args.top_k, args.top_p, args.min_p)
 
 
 def resolve_model(args):
@@ -141,6 +157,7 @@ class Rollout:
 def write_plan(args, model_dir, prompts, workdir):
     longest = max(len(p) for p in prompts) + args.max_tokens
     plan = dict(model=model_dir, tp=args.tp, seed=args.seed, temperature=args.temperature,
+                truncation=truncation(args),
                 max_tokens=args.max_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                 max_model_len=-(-longest // 256) * 256, kv_cache_bytes=512 << 20, stock=args.stock,
@@ -151,16 +168,28 @@ def write_plan(args, model_dir, prompts, workdir):
     return plan, path
 
 
-def recompute(args, phases, vocab_limit):
+def recompute(args, phases, vocab_limit, cut="rollout's"):
+    """The trainer's log-probs per phase; ``cut``: the truncation it applies (default: the
+    rollout's; None: untruncated, what a trainer unaware of the rollout's truncation scores)."""
     from true_on_policy import check_trainer as tr
     out, dtype = [], tr.compute_dtype(phases[0]["weights"])
+    cut = truncation(args) if cut == "rollout's" else cut
     for phase in phases:
         if args.stock:
             out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], args.temperature))
         else:
             out.append(tr.consistent_logprobs(phase["weights"], phase["sequences"], args.temperature,
-                                              args.tp, vocab_limit, dtype))
+                                              args.tp, vocab_limit, dtype, cut))
     return out
+
+
+def untruncated_gap(args, phases, vocab_limit):
+    """With truncation on: how far the trainer's UNtruncated log-probs are from the rollout's
+    (the gap exact truncation removes); JSON keys untruncated_*."""
+    if args.stock or truncation(args) is None:
+        return {}
+    total = compare_phases(phases, recompute(args, phases, vocab_limit, cut=None))["total"]
+    return {f"untruncated_{k}": total[k] for k in ("max_abs_logdiff", "mean_abs_logdiff", "frac_exact")}
 
 
 def main(argv=None):
@@ -183,6 +212,7 @@ def main(argv=None):
         t1 = time.time()
         trainer = recompute(args, result["phases"], len(tok))
         stats = compare_phases(result["phases"], trainer)
+        gap = untruncated_gap(args, result["phases"], len(tok))
         say(f"recomputed in {time.time() - t1:.1f}s")
         localize = None
         if args.localize and stats["first_mismatch"] is not None:
@@ -190,7 +220,7 @@ def main(argv=None):
             localize = localize_mismatch(args, rollout, result, stats, workdir, len(tok))
     finally:
         rollout.close()
-    summary = summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0)
+    summary = {**summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0), **gap}
     print_summary(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -108,7 +108,9 @@ def _replay_check(capture, tokens, target, m, args, vocab_limit):
     if args.stock:
         lp = float(torch.log_softmax(logits / args.temperature, -1)[0, target])
     else:
-        lp = float(co.token_logprobs(logits, torch.tensor([target]), args.temperature, vocab_limit)[0])
+        from true_on_policy.check import truncation
+        lp = float(co.token_logprobs(logits, torch.tensor([target]), args.temperature, vocab_limit,
+                                     truncation(args))[0])
     same = lp == m["rollout"]
     return (f"replay {'reproduces' if same else 'does NOT reproduce'} the rollout's log-prob "
             f"({lp!r} vs {m['rollout']!r})" + ("" if same else ": the rollout value depended on "

@@ -39,6 +39,7 @@ def summary_json(args, plan, model_dir, result, stats, localize, wall_s):
     out = dict(stats["total"])
     out.update(
         mode="stock" if args.stock else "plugin", model=model_dir, tp=args.tp, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         seed=args.seed, num_sequences=sum(len(p["sequences"]) for p in result["phases"]),
         max_num_batched_tokens=args.max_num_batched_tokens, chunked_prompts=chunked,
         enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
@@ -51,6 +52,12 @@ def summary_json(args, plan, model_dir, result, stats, localize, wall_s):
         rollout_tokens_per_s=gen_tokens / result["generate_s"] if result.get("generate_s") else None,
         wall_s=wall_s, localize=localize)
     return out
+
+
+def _truncation_text(s):
+    cut = [f"{k}={s[k]}" for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+           if s.get(k) not in (None, off, -1)]
+    return (", " + " ".join(cut)) if cut else ""
 
 
 def _phases_differ(phases):
@@ -77,7 +84,8 @@ def print_summary(s):
         f"  model       {s['model']}",
         f"  rollout     {rollout}, TP {s['tp']}   contract {s['rollout_fingerprint'] or '-'}",
         f"  trainer     {trainer}   contract {s['trainer_fingerprint'] or '-'}",
-        f"  sampling    T={s['temperature']}, seed {s['seed']}, {s['num_sequences']} sequences",
+        f"  sampling    T={s['temperature']}{_truncation_text(s)}, seed {s['seed']}, "
+        f"{s['num_sequences']} sequences",
         f"  scheduling  max_num_batched_tokens={s['max_num_batched_tokens']} ({s['chunked_prompts']} prompts "
         f"chunked), prefix caching {'on' if s['enable_prefix_caching'] else 'off'}{hits}, page {s['block_size']}",
         "-" * 78,
@@ -92,6 +100,10 @@ def print_summary(s):
     if s["rollout_tokens_per_s"]:
         lines.append(f"  rollout {s['rollout_tokens_per_s']:.0f} tokens/s (engine start {s['engine_start_s']:.0f}s), "
                      f"wall {s['wall_s']:.0f}s")
+    if "untruncated_max_abs_logdiff" in s:
+        lines.append(f"  a trainer scoring the UNtruncated distribution would be off by max "
+                     f"{s['untruncated_max_abs_logdiff']:.4g}, mean {s['untruncated_mean_abs_logdiff']:.4g} "
+                     f"({100 * s['untruncated_frac_exact']:.1f} % exact)")
     if s["localize"]:
         lines.append("  localize: " + s["localize"]["text"].lstrip())
     bad = s["num_tokens"] - s["num_exact"]

@@ -39,6 +39,8 @@ def build_llm(plan):
 
 def sampling(plan, max_tokens):
     common = dict(max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    if plan.get("truncation"):      # stock: vLLM's own truncation; plugin: moved to the contract
+        common.update(zip(("top_k", "top_p", "min_p"), plan["truncation"]))
     if plan["stock"]:
         from vllm import SamplingParams
         return SamplingParams(temperature=plan["temperature"], **common)

@@ -5,7 +5,8 @@ verl actor computes: ConsistentForCausalLM over packed sequences (TP emulated wi
 the rollout's size), then ``consistent_ops.token_logprobs`` with the rollout
 temperature and vocab_limit = len(tokenizer). The stock path is a plain HF forward
 and ``log_softmax(logits / T)``; it keeps the whole (padded) vocabulary, as stock
-vLLM samples from it too.
+vLLM samples from it too, and scores the untruncated distribution, as a stock trainer
+does even when the rollout truncates (top-k/top-p/min-p).
 """
 import sys
 
@@ -41,9 +42,10 @@ def compute_dtype(model_dir):
     return ModelConfig.from_dir(model_dir).dtype
 
 
-def consistent_logprobs(model_dir, sequences, temperature, tp, vocab_limit, dtype=None):
+def consistent_logprobs(model_dir, sequences, temperature, tp, vocab_limit, dtype=None, truncation=None):
     """fp32 log-prob of every generated token, per sequence. ``dtype``: the compute dtype
-    of the rollout (weights pushed in fp32 are rounded to it on both sides)."""
+    of the rollout (weights pushed in fp32 are rounded to it on both sides); ``truncation``:
+    the rollout's (top_k, top_p, min_p), applied by the contract as the rollout did."""
     model = ConsistentForCausalLM.from_pretrained(model_dir, tp_size=tp, dtype=dtype).eval()
     out = [None] * len(sequences)
     for pack in _packs(sequences):
@@ -56,7 +58,7 @@ def consistent_logprobs(model_dir, sequences, temperature, tp, vocab_limit, dtyp
         offsets = torch.tensor([0] + lens[:-1]).cumsum(0).tolist()
         rows = _gen_rows([len(s["prompt"]) for s in seqs], [len(s["output"]) for s in seqs], offsets)
         targets = torch.tensor([t for s in seqs for t in s["output"]])
-        lp = co.token_logprobs(logits[rows], targets, temperature, vocab_limit)
+        lp = co.token_logprobs(logits[rows], targets, temperature, vocab_limit, truncation)
         for i, part in zip(pack, lp.split([len(s["output"]) for s in seqs])):
             out[i] = part
     return out

@@ -9,7 +9,8 @@ and ``scoped_config(config)`` turns one model's config into one of them (verl's 
 engine does it for the actor and the reference, verl/swap_in.py). Any other Qwen3 model
 the process builds from a plain Qwen3Config is transformers' own class. TP of the rollout
 is emulated through the config attribute ``true_on_policy_tp_size`` (set with verl's
-``model.override_config``).
+``model.override_config``), the rollout's top-k / top-p / min-p through
+``truncation.CONFIG_ATTRS`` the same way.
 """
 import copy
 import logging
@@ -18,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import truncation
 from .models import ModelConfig, TensorParallel, TrainerMixin, build_causal_lm
 
 log = logging.getLogger(__name__)
@@ -36,9 +38,19 @@ def built() -> bool:
     return _built
 
 
+# The rollout's top_k / top_p / min_p (truncation.CONFIG_ATTRS): log-probs are those of the
+# truncated distribution the rollout samples from.
+_active_truncation = None
+
+
 def active_vocab_limit():
     """The padded-vocabulary limit of the model this process built (None: none built)."""
     return _active_vocab_limit
+
+
+def active_truncation():
+    """(top_k, top_p, min_p) of the model this process built, or None (untruncated)."""
+    return _active_truncation
 
 
 def _tokenizer_length(path):
@@ -61,9 +73,10 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         if getattr(config, DTYPE_ATTR, None):
             cfg.dtype = getattr(torch, str(getattr(config, DTYPE_ATTR)).replace("torch.", ""))
         build_causal_lm(self, cfg, TensorParallel(size=int(getattr(config, TP_ATTR, 1) or 1)))
-        global _active_vocab_limit, _built
+        global _active_vocab_limit, _active_truncation, _built
         self.vocab_limit = _active_vocab_limit = getattr(config, VOCAB_ATTR, None)
         _built = True
+        _active_truncation = truncation.normalise(*(getattr(config, a, None) for a in truncation.CONFIG_ATTRS))
         if cfg.tie_word_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 

@@ -119,6 +119,26 @@ def test_logprob_gradients_vs_float64(logits):
     assert rel(x.grad, x64.grad) < 1e-5
 
 
+def test_truncation_rollout_call_equals_trainer_call(logits):
+    """The rollout's call (log_softmax at T with per-row truncation) == the trainer's (logits
+    divided by T first, token_logprobs at T = 1 with the same truncation), bitwise, for rows
+    alone and in the batch; the kept set is the reference rule's (same log-probs in)."""
+    rows, limit = 256, VOCAB - 269
+    temp = torch.full((rows,), 0.7, device=DEV)
+    k = torch.randint(0, 40, (rows,), device=DEV)
+    p = (torch.rand(rows, device=DEV, dtype=torch.float64) * 0.5 + 0.5)
+    mp = torch.where(torch.arange(rows, device=DEV) % 3 == 0, 0.05, 0.0).float()
+    cut = (k, p, mp)
+    rollout = co.log_softmax(logits[:rows], temp, limit, cut)
+    ids = torch.where(rollout > float("-inf"), rollout, -1e30).argmax(-1)
+    trainer = co.token_logprobs(logits[:rows] / temp[:, None], ids, 1.0, limit, cut)
+    assert torch.equal(trainer, rollout.gather(1, ids[:, None])[:, 0])
+    for m in (1, 17, 255):
+        assert torch.equal(co.log_softmax(logits[:m], temp[:m], limit, (k[:m], p[:m], mp[:m])), rollout[:m])
+    lp = co.log_softmax(logits[:rows], temp, limit)
+    assert torch.equal(co.get_backend().truncation.keep_mask(lp, *cut), ref.truncation.keep_mask(lp, *cut))
+
+
 # ---------------------------------------------------------------- MoE
 @pytest.fixture(scope="module")
 def moe():

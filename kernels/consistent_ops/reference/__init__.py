@@ -5,5 +5,6 @@ from .logprobs import log_softmax, token_logprobs
 from .moe import moe_combine, moe_expert_contributions, moe_route
 from .norm import add_rms_norm, rms_norm
 from .pointwise import apply_rope, embedding, rope_cos_sin, silu_mul
+from .truncation import truncate_logprobs
 
 NAME = "reference"

@@ -15,5 +15,6 @@ from .moe import moe_combine, moe_expert_contributions, moe_route
 from .norm import add_rms_norm, rms_norm
 from .pointwise import embedding, finish_row_parallel, ordered_sum, rope_cos_sin, silu_mul
 from .rope import apply_rope
+from .truncation import truncate_logprobs
 
 NAME = "triton"

@@ -35,12 +35,31 @@ def _rollout_rules(cfg):
                f"(the plugin supplies the attention backend)")
     if not _get(cfg, ro + "calculate_log_probs", True):
         yield f"{ro}calculate_log_probs=False leaves nothing to compare; set it to True"
-    for key in ("top_k", "top_p"):
-        if _get(cfg, ro + key) not in (None, -1, 0, 1, 1.0):
-            yield (f"{ro}{key}={_get(cfg, ro + key)} changes the sampling distribution after the contract's "
-                   f"log-probs; leave it at its default")
+    yield from _truncation_rules(cfg, ro)
     if _get(cfg, ro + "temperature", 1.0) <= 0:
         yield f"{ro}temperature={_get(cfg, ro + 'temperature')} must be > 0 for an RL rollout"
+
+
+_UNBOUNDED_KL = ("kl", "k1", "abs", "mse", "k2")
+
+
+def _truncation_rules(cfg, ro):
+    """top_k / top_p are applied by the contract on both sides (truncation.py); verl has no
+    min_p. Truncated log-probs are -inf outside the kept set: the reference model's can be,
+    for a sampled token, and verl's unclamped KL estimators then become infinite."""
+    from ..truncation import normalise, problems
+    found = problems(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p"))
+    yield from (f"{ro}{problem}" for problem in found)
+    if found or normalise(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p")) is None:
+        return
+    ac = "actor_rollout_ref.actor."
+    kinds = {ac + "kl_loss_type": _get(cfg, ac + "use_kl_loss", False) and _get(cfg, ac + "kl_loss_type", "kl"),
+             "algorithm.kl_penalty": _get(cfg, "algorithm.use_kl_in_reward", False)
+             and _get(cfg, "algorithm.kl_penalty", "kl")}
+    for key, kind in kinds.items():
+        if kind in _UNBOUNDED_KL:
+            yield (f"{key}={kind!r} with top_k/top_p: the reference's truncated log-prob of a sampled "
+                   f"token can be -inf, making this KL infinite; use low_var_kl (clamped)")
 
 
 def _actor_rules(cfg):

@@ -1,9 +1,9 @@
 """Startup self-check: before step 1, probe sequences through both engines.
 
 Runs ``python -m true_on_policy.check`` with the job's model, rollout TP, temperature,
-batching and prefix caching (a vLLM engine with the plugin, then the trainer's model in
-another process) and stops the job with the check's report unless every probe token's
-log-prob is bitwise equal. ``true_on_policy.self_check.enable=false`` skips it.
+top-k / top-p, batching and prefix caching (a vLLM engine with the plugin, then the
+trainer's model in another process) and stops the job with the check's report unless
+every probe token's log-prob is bitwise equal. ``true_on_policy.self_check.enable=false`` skips it.
 """
 import json
 import subprocess
@@ -25,6 +25,7 @@ def command(cfg, settings, json_path):
     cmd = [sys.executable, "-m", "true_on_policy.check", "--model", str(cfg.actor_rollout_ref.model.path),
            "--tp", str(int(ro.get("tensor_model_parallel_size", 1) or 1)),
            "--temperature", str(float(ro.get("temperature", 1.0))),
+           "--top-k", str(int(ro.get("top_k", -1) or 0)), "--top-p", str(float(ro.get("top_p", 1.0) or 1.0)),
            "--max-num-batched-tokens", str(int(ro.get("max_num_batched_tokens", 2048) or 2048)),
            "--prompts", str(settings["prompts"]), "--max-tokens", str(settings["max_tokens"]),
            "--json", str(json_path)]

@@ -68,7 +68,18 @@ def _prepare_job(config):
     with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
         config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
+        _carry_truncation(config)
     self_check.run(config)
+
+
+def _carry_truncation(config):
+    """The rollout's top_k / top_p to the trainer's model config (truncation.CONFIG_ATTRS):
+    old_log_prob, ref and the update then score the truncated distribution."""
+    from .. import truncation
+    ro = config.actor_rollout_ref.rollout
+    cut = truncation.normalise(ro.get("top_k"), ro.get("top_p"))
+    for attr, value in zip(truncation.CONFIG_ATTRS, cut or truncation.OFF):
+        config.actor_rollout_ref.model.override_config[attr] = value
 
 
 def _trainer_engine(module):

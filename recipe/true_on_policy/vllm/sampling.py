@@ -23,36 +23,68 @@ either. So the scheme is:
      i.e. exactly the contract's log-probs. The plugin's config hook sets it and
      installs the processor, so callers set nothing but TRUE_ON_POLICY=1.
 
-Anything that would change the distribution after step 2 (top-k, top-p, min-p,
-penalties, logit bias, bad words, allowed ids, min tokens) would make the reported
-number describe a different distribution, so ``validate_params`` rejects it at
-admission, as it rejects a temperature != 1 that bypasses step 1. Greedy requests
-(temperature 0) pick the argmax of the T=1 log-probs and report them.
+Truncation (top-k, top-p, min-p) is the contract's (``consistent_ops.truncate_logprobs``,
+which the trainer runs too): the settings travel like T, in ``extra_args``
+(``TRUNCATION_KEYS``; ``sampling_params`` moves them there), step 2 returns the
+truncated distribution's log-probs (-inf outside the kept set) and the engine's own
+top_k/top_p/min_p stay off, since applying vLLM's top-p again to the renormalised rows
+would cut further. Anything else that would change the distribution after step 2
+(the engine's top-k/top-p/min-p, penalties, logit bias, bad words, allowed ids, min
+tokens) would make the reported number describe a different distribution, so
+``validate_params`` rejects it at admission, as it rejects a temperature != 1 that
+bypasses step 1. Greedy requests (temperature 0) pick the argmax of the T=1 log-probs
+and report them.
 """
 
 import torch
 
 import consistent_ops as co
+from true_on_policy import truncation
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 
 TEMPERATURE_KEY = "true_on_policy_temperature"
+# extra_args keys of the contract's truncation; values are the SamplingParams-style ones.
+TRUNCATION_KEYS = {name: f"true_on_policy_{name}" for name in truncation.NAMES}
 V1_PROCESSOR = "true_on_policy.vllm.sampling:ContractLogProbs"
 V2_PROCESSOR = "true_on_policy.vllm.sampling_v2:ContractLogProbsV2"
 _GREEDY_EPS = 1e-5   # vLLM's threshold below which a request is greedy
 
 
 def sampling_params(temperature: float, **kwargs) -> SamplingParams:
-    """SamplingParams for a rollout at ``temperature`` under the scheme above."""
+    """SamplingParams for a rollout at ``temperature`` under the scheme above; top_k /
+    top_p / min_p in ``kwargs`` become the contract's truncation (extra_args)."""
     extra = dict(kwargs.pop("extra_args", None) or {}, **{TEMPERATURE_KEY: float(temperature)})
+    extra.update(truncation_extra_args(kwargs))
     return SamplingParams(temperature=1.0, extra_args=extra, **kwargs)
 
 
 def rollout_temperature(params: SamplingParams) -> float:
     """The T whose log-probs a request reports (1.0 unless extra_args carries one)."""
     return float((params.extra_args or {}).get(TEMPERATURE_KEY, 1.0))
+
+
+def truncation_extra_args(kwargs: dict) -> dict:
+    """Pops top_k/top_p/min_p from ``kwargs``; the extra_args entries of the contract's
+    truncation (none when every setting is off)."""
+    values = [kwargs.pop(name, None) for name in truncation.NAMES]
+    if truncation.problems(*values):
+        return {k: v for k, v in zip(TRUNCATION_KEYS.values(), values) if v is not None}   # validate() names it
+    cut = truncation.normalise(*values)
+    return {} if cut is None else dict(zip(TRUNCATION_KEYS.values(), cut))
+
+
+def rollout_truncation(params: SamplingParams) -> tuple:
+    """(top_k, top_p, min_p) the contract applies for a request (the off values when unset)."""
+    extra = params.extra_args or {}
+    return tuple(extra.get(key, off) for key, off in zip(TRUNCATION_KEYS.values(), truncation.OFF))
+
+
+def _truncation_problem(params: SamplingParams) -> str | None:
+    found = truncation.problems(*rollout_truncation(params))
+    return f"{found[0]} (extra_args {list(TRUNCATION_KEYS.values())})" if found else None
 
 
 def validate(params: SamplingParams) -> None:
@@ -66,9 +98,14 @@ def validate(params: SamplingParams) -> None:
             f"true_on_policy: temperature={params.temperature}: the engine samples at 1.0 and the "
             f"rollout temperature goes in extra_args[{TEMPERATURE_KEY!r}] "
             f"(use true_on_policy.vllm.sampling.sampling_params(T, ...))")
+    problem = _truncation_problem(params)
+    if problem:
+        raise ValueError(f"true_on_policy: {problem}")
     for name, value in _distribution_changes(params).items():
+        fix = (f"pass it to true_on_policy.vllm.sampling.sampling_params(T, {name}=...), which applies it "
+               f"by the contract" if name in TRUNCATION_KEYS else "leave it at its default")
         raise ValueError(f"true_on_policy: {name}={value!r} changes the sampling distribution after the "
-                         f"contract's log-probs; it is not supported (leave it at its default)")
+                         f"contract's log-probs; it is not supported ({fix})")
 
 
 def _distribution_changes(params: SamplingParams) -> dict:
@@ -91,9 +128,20 @@ def tokenizer_length(model_config) -> int:
     return len(tok)
 
 
-def contract_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab_limit: int) -> torch.Tensor:
-    """Rows -> the contract's log-probs at each row's temperature (fp32 [rows, V])."""
-    return co.log_softmax(logits, temperatures, vocab_limit)
+def contract_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab_limit: int,
+                      cut: tuple | None = None) -> torch.Tensor:
+    """Rows -> the contract's log-probs at each row's temperature (fp32 [rows, V]);
+    ``cut`` = per-row (top_k, top_p, min_p) tensors, or None when no row truncates."""
+    return co.log_softmax(logits, temperatures, vocab_limit, cut)
+
+
+def truncation_columns(settings: list, device) -> tuple | None:
+    """[(k, p, min_p) per row] -> the per-row tensors truncate_logprobs takes (None: all off)."""
+    if not any(co.truncation_active(*s) for s in settings):
+        return None
+    k, p, mp = zip(*settings)
+    return (torch.tensor(k, dtype=torch.int64, device=device), torch.tensor(p, dtype=torch.float64, device=device),
+            torch.tensor(mp, dtype=torch.float32, device=device))
 
 
 class ContractLogProbs(LogitsProcessor):
@@ -109,14 +157,18 @@ class ContractLogProbs(LogitsProcessor):
     def __init__(self, vllm_config, device, is_pin_memory):
         self.vocab_limit = tokenizer_length(vllm_config.model_config)
         self.temperature: dict[int, float] = {}   # persistent-batch index -> T
+        self.truncation: dict[int, tuple] = {}    # persistent-batch index -> (top_k, top_p, min_p)
 
     def is_argmax_invariant(self) -> bool:
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.temperature, batch_update, lambda p, _prompt, _out: rollout_temperature(p))
+        process_dict_updates(self.truncation, batch_update, lambda p, _prompt, _out: rollout_truncation(p))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         t = torch.tensor([self.temperature.get(i, 1.0) for i in range(logits.shape[0])],
                          dtype=torch.float32, device=logits.device)
-        return contract_logprobs(logits, t, self.vocab_limit)
+        off = (0, 1.0, 0.0)
+        cut = truncation_columns([self.truncation.get(i, off) for i in range(logits.shape[0])], logits.device)
+        return contract_logprobs(logits, t, self.vocab_limit, cut)

@@ -2,14 +2,17 @@
 
 V2 runs custom processors after bias/penalties and before temperature, min-p and
 top-k/top-p, and skips the temperature kernel when every request is at 0 or 1, so
-the scheme of sampling.py carries over unchanged. Kept apart because the V2
-interface module does not exist in older vLLM (e.g. the 0.23 that vLLM-Ascend uses).
+the scheme of sampling.py (temperature and truncation) carries over unchanged. Kept
+apart because the V2 interface module does not exist in older vLLM (e.g. the 0.23
+that vLLM-Ascend uses).
 """
 import torch
 
+import consistent_ops as co
+
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
-from .sampling import contract_logprobs, rollout_temperature, tokenizer_length, validate
+from .sampling import contract_logprobs, rollout_temperature, rollout_truncation, tokenizer_length, validate
 
 
 class ContractLogProbsV2(LogitsProcessor):
@@ -19,15 +22,29 @@ class ContractLogProbsV2(LogitsProcessor):
 
     def __init__(self, vllm_config, req_states):
         self.vocab_limit = tokenizer_length(vllm_config.model_config)
-        self.staged = torch.ones(req_states.max_num_reqs, dtype=torch.float32)   # slot -> T (host)
+        n = req_states.max_num_reqs
+        self.staged = torch.ones(n, dtype=torch.float32)   # slot -> T (host)
         self.temperature = self.staged.to(req_states.device)
+        # slot -> (top_k, top_p, min_p) (host, then device); off until a request truncates
+        self.staged_cut = (torch.zeros(n, dtype=torch.int64), torch.ones(n, dtype=torch.float64),
+                           torch.zeros(n, dtype=torch.float32))
+        self.cut = tuple(t.to(req_states.device) for t in self.staged_cut)
+        self.any_cut = False
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
         self.staged[req_idx] = rollout_temperature(sampling_params)
+        settings = rollout_truncation(sampling_params)
+        for column, value in zip(self.staged_cut, settings):
+            column[req_idx] = value
+        self.any_cut = self.any_cut or co.truncation_active(*settings)
         return True   # every row must become the contract's log-probs
 
     def apply_staged_writes(self) -> None:
         self.temperature.copy_(self.staged, non_blocking=True)
+        for dst, src in zip(self.cut, self.staged_cut):
+            dst.copy_(src, non_blocking=True)
 
     def apply(self, logits: torch.Tensor, ctx) -> torch.Tensor:
-        return contract_logprobs(logits, self.temperature[ctx.expanded_idx_mapping], self.vocab_limit)
+        rows = ctx.expanded_idx_mapping
+        cut = tuple(c[rows] for c in self.cut) if self.any_cut else None
+        return contract_logprobs(logits, self.temperature[rows], self.vocab_limit, cut)
