@@ -57,7 +57,7 @@ def test_rollout_truncation_reaches_verl_logprobs(tmp_path_factory, registered, 
         monkeypatch.setattr(hf_model, name, getattr(hf_model, name))
     path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", "qwen3", hidden_size=128, num_layers=2)
     logits = torch.randn(6, 1024, generator=torch.Generator().manual_seed(2)) * 4 / 0.7   # verl divided by T
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = hf_model.scoped_config(transformers.AutoConfig.from_pretrained(path))   # as the actor's engine does
     transformers.AutoModelForCausalLM.from_pretrained(path, config=config)
     assert hf_model.active_truncation() is None
     for attr, value in zip(truncation.CONFIG_ATTRS, (20, 0.9, 0.0)):
@@ -66,6 +66,7 @@ def test_rollout_truncation_reaches_verl_logprobs(tmp_path_factory, registered, 
     assert hf_model.active_truncation() == (20, 0.9, 0.0)
     rows = co.log_softmax(logits, 1.0, hf_model.active_vocab_limit(), (20, 0.9, 0.0))
     labels = rows.argmax(-1)
-    got = trainer_logprobs.contract_logprobs_from_logits(logits[None], labels[None])[0]
+    engine_logprobs = trainer_logprobs._contract(lambda *a, **k: None)   # the engine's name, patched
+    got = engine_logprobs(logits[None], labels[None])[0]
     assert torch.equal(got, rows.gather(-1, labels[:, None])[:, 0])
     assert not torch.equal(got, co.token_logprobs(logits, labels, 1.0, hf_model.active_vocab_limit()))
