@@ -13,10 +13,13 @@ launcher itself. Code generation (bishengir) and running need CANN and an NPU: n
 switches (fp64 exp/log, tf32 dots, 0-d div_rn): those kernels must fail (the check's own test).
 """
 import argparse
+import signal
+import subprocess
 import sys
 
 import torch
 
+_ADAPTER_TRIES = 3
 NPU_ARCH = "Ascend910B3"     # A2; the adapter stage does not depend on the sub-model
 MODELS = {   # name: (hidden, heads, kv_heads, head_dim, moe_inter or None, experts, top_k, vocab)
     "tiny-moe": (256, 4, 2, 64, 128, 8, 2, 1024),
@@ -60,7 +63,7 @@ class Compiler:
         from triton._C.libtriton import ir
         from triton.compiler import compiler as tc
         self.ir, self.tc = ir, tc
-        self.done, self.failed = [], []
+        self.done, self.failed, self.retried = [], [], []
 
     def __call__(self, src, target=None, options=None):
         """triton.compiler.compile, stopped after the linalg stage."""
@@ -77,17 +80,30 @@ class Compiler:
         try:
             module = src.make_ir(opts, backend.get_codegen_implementation(), backend.get_module_map(), ctx)
             module = stages["ttir"](module, metadata)
-            stages["ttadapter"](module, metadata)
+            self._adapter(stages["ttadapter"], module, metadata, label)
         except Exception as e:     # noqa: BLE001 - every failure is reported, then the run fails
             err = getattr(e, "stderr", None)
             text = (err.decode(errors="replace") if isinstance(err, bytes) else str(e)).strip()
             lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-            self.failed.append((label, f"{type(e).__name__}: {' | '.join(lines[:3])[:600]}"))
+            code = f" (exit {e.returncode})" if isinstance(e, subprocess.CalledProcessError) else ""
+            self.failed.append((label, f"{type(e).__name__}{code}: {' | '.join(lines[:3])[:600]}"))
             print(f"FAIL {label}\n     {self.failed[-1][1]}", flush=True)
         else:
             self.done.append(label)
             print(f"ok   {label}", flush=True)
         return _NotRun()
+
+    def _adapter(self, stage, module, metadata, label):
+        """triton-adapter-opt 3.2.0 segfaults now and then on an input it compiles on the next
+        run (seen ~1 run in 10 on the same TTIR file): a SIGSEGV is retried, and counted.
+        Every other failure (front-end errors, SIGABRT on a rejected construct) is final."""
+        for attempt in range(_ADAPTER_TRIES):
+            try:
+                return stage(module, metadata)
+            except subprocess.CalledProcessError as e:
+                if e.returncode != -signal.SIGSEGV or attempt == _ADAPTER_TRIES - 1:
+                    raise
+                self.retried.append(label)
 
 
 def _battery(ops, model):
@@ -161,8 +177,9 @@ def main(argv=None):
               "run this through scripts/ascend_compile_check.sh", file=sys.stderr)
         return 2
     if args.cuda_constructs:
-        from ..triton import gemm
-        common.FP64_TRANSCENDENTALS = common.SCALAR_DIV_RN = tl.constexpr(True)   # before norm/logprobs import
+        from ..triton import gemm, logprobs, norm
+        common.FP64_TRANSCENDENTALS = tl.constexpr(True)
+        norm.SCALAR_DIV_RN = logprobs.SCALAR_DIV_RN = tl.constexpr(True)
         gemm.HALF_DOT_PRECISION = "tf32"
     compiler = Compiler()
     triton.compiler.compile = compiler      # what JITFunction.create_binder picks up
@@ -174,6 +191,8 @@ def main(argv=None):
               f"linear={'cann+triton' if runtime.use_cann_matmul() else 'triton'}", flush=True)
         _battery(backend, m)
     del attention, linear, ops
+    if compiler.retried:
+        print(f"note: triton-adapter-opt segfaulted and passed on a rerun for {len(compiler.retried)} kernel(s)")
     print(f"{len(compiler.done)} kernels compiled for Ascend, {len(compiler.failed)} failed")
     return 1 if compiler.failed or not compiler.done else 0
 
