@@ -1,9 +1,12 @@
 """The ascend backend without an NPU: every kernel it launches compiles with triton-ascend
 (scripts/ascend_compile_check.sh, an isolated install), the CUDA-only constructs are what
 the switches keep out (the same kernels with the CUDA side of the switches fail), the
-launch-limit chunking keeps bits, and selecting it here names what is missing."""
+launch-limit chunking keeps bits, the Ascend side of the kernel source passes the probe
+battery under the CPU interpreter, and selecting it here names what is missing."""
+import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,23 @@ def test_fingerprint_covers_the_realisation():
     newer = {**base, "versions": {"triton-ascend": "3.2.1"}}
     prints = {contract.fingerprint("ascend", r) for r in (base, fa, newer)}
     assert len(prints) == 3 and contract.fingerprint("ascend") not in prints
+
+
+def _interpret(side, tmp_path):
+    out = tmp_path / f"{side}.pt"
+    res = subprocess.run([sys.executable, str(ROOT / "tests/ascend_interpret_case.py"), side, str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")], torch.load(out)
+
+
+def test_ascend_side_of_the_source_is_invariant_under_the_interpreter(tmp_path):
+    """The kernel code triton-ascend compiles (switches on their Ascend side), run by the CPU
+    interpreter through the ascend ops: the whole probe battery holds. The [1]-shaped div_rn
+    gives the CUDA side's bits (rms_norm equal); the fp32 exp/log is a real switch (log-probs
+    differ from the fp64 side)."""
+    rows, asc = _interpret("ascend", tmp_path)
+    assert len(rows) >= 20 and all(r["delta"] == 0.0 for r in rows), [r for r in rows if r["delta"]]
+    _, cuda = _interpret("cuda", tmp_path)
+    assert torch.equal(asc["rms_norm"], cuda["rms_norm"])
+    assert not torch.equal(asc["log_softmax"], cuda["log_softmax"])

@@ -4,6 +4,7 @@ Nothing here imports torch_npu at module import: a CPU machine imports this pack
 compile its kernels with triton-ascend (compile_check.py). ``activate`` is what a real
 NPU process runs when the backend is selected.
 """
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -52,11 +53,13 @@ def triton_is_ascend():
     return ASCEND
 
 
+@functools.lru_cache(maxsize=None)       # asked per layer per step; the installation does not change
 def use_flash_attn_npu():
     """flash-attention-npu's consistency build decides attention when it imports."""
     return os.environ.get("CONSISTENT_OPS_ASCEND_ATTENTION", "auto") != "triton" and present(FLASH_ATTN_NPU)
 
 
+@functools.lru_cache(maxsize=None)
 def use_cann_matmul():
     return os.environ.get("CONSISTENT_OPS_ASCEND_LINEAR", "auto") != "triton" and present(CANN_BATCH_INVARIANT)
 
