@@ -11,8 +11,12 @@ VERSION=3.2.0
 DIR="${TRITON_ASCEND_HOME:-$HOME/.cache/verl-true-on-policy/triton-ascend-$VERSION}"
 if [ ! -f "$DIR/.complete" ]; then
     rm -rf "$DIR.partial"
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-        --target "$DIR.partial" "triton-ascend==$VERSION"
+    if ! log=$(.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+               --target "$DIR.partial" "triton-ascend==$VERSION" 2>&1); then
+        echo "$log" | grep -v "^WARNING: Location" >&2
+        echo "ascend_compile_check: could not install triton-ascend==$VERSION (PyPI)" >&2
+        exit 1
+    fi
     touch "$DIR.partial/.complete"
     rm -rf "$DIR" && mv "$DIR.partial" "$DIR"
 fi
