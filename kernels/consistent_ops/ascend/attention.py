@@ -32,14 +32,16 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
                                         causal=True)
 
 
-def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None):
+def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
+                    max_query_len=None):
     if not runtime.use_flash_attn_npu():
-        return _triton.attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)
+        return _triton.attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                                       max_query_len)
     if key_cache.shape[1] != PAGE:
         raise ValueError(f"flash-attention-npu needs KV-cache pages of {PAGE} positions, got {key_cache.shape[1]}; "
                          f"set the engine's block size to {PAGE}")
     qsl = query_start_loc.to(torch.int32)
-    max_q = int((qsl[1:] - qsl[:-1]).max())
+    max_q = max_query_len or int((qsl[1:] - qsl[:-1]).max())
     # causal is bottom-right aligned (the new tokens are the last of each sequence), so one
     # call serves decode, prefill and chunked prefill alike; num_splits=1: no split-KV reduction
     return _fa().flash_attn_with_kvcache(q, key_cache, value_cache, cache_seqlens=seq_lens.to(torch.int32),

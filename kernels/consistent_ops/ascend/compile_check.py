@@ -127,7 +127,9 @@ def _battery(ops, model):
         ops.log_softmax(logits, 0.7, vocab - 3)
         ops.token_logprobs(logits, torch.zeros(t, dtype=torch.long), torch.full((t,), 0.7), vocab - 3)
         if moe_i:
-            ids, weights = ops.moe_route(x, torch.randn(experts, hidden, **bf), top_k)
+            gate = torch.randn(experts, hidden, **bf)
+            ids, weights = ops.moe_route(x, gate, top_k)                      # rollout: fused router
+            ops.moe_route(x, gate.requires_grad_(), top_k)                    # training: softmax kernel
             local = range(min(experts, 8))                 # a few local experts (EP placement)
             mats = {e: (torch.randn(moe_i, hidden, **bf), torch.randn(moe_i, hidden, **bf),
                         torch.randn(hidden, moe_i, **bf)) for e in local}
