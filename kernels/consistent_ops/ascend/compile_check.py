@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-_ADAPTER_TRIES = 3
+_ADAPTER_TRIES = 5
 NPU_ARCH = "Ascend910B3"     # A2; the adapter stage does not depend on the sub-model
 MODELS = {   # name: (hidden, heads, kv_heads, head_dim, moe_inter or None, experts, top_k, vocab)
     "tiny-moe": (256, 4, 2, 64, 128, 8, 2, 1024),
