@@ -15,6 +15,8 @@ setup(
     packages=[
         "consistent_ops",
         "consistent_ops.reference",
+        "consistent_ops.triton",
+        "consistent_ops.ascend",
         "true_on_policy",
         "true_on_policy.models",
         "true_on_policy.vllm",

@@ -17,6 +17,9 @@ VERSION = 1
 # in every attention path (training varlen, prefill, chunked prefill, decode).
 # It is independent of the KV-cache page size on purpose (rule 2/3 of the seeds).
 KV_BLOCK = 64
+# The KV block is a per-backend value where a backend's attention kernel fixes it:
+# flash-attention-npu's consistency build walks keys in stacks of 512 (ascend backend).
+ASCEND_KV_BLOCK = 512
 
 # Truncation (top-k / top-p / min-p) sums probabilities as int64 fixed point with this
 # many fraction bits: every sum is then exact, so no summation order can reach the bits.
@@ -120,23 +123,38 @@ ACCUMULATION = {
         "tp_partial_dtype": "float32",
     },
     "ascend": {
-        "contract_dot": "CANN batch-invariant matmul (fp32 accumulation, fixed tiling)",
-        "reductions": "CANN batch-invariant sum, fp32",
+        "contract_dot": (
+            "the triton backend's kernels compiled by triton-ascend: tl.dot (ieee precision), one fp32 "
+            "accumulator through K in order, no split-K, ONE pinned tile per op for every M (cube "
+            "accumulation order across tile shapes is undocumented); where CANN batch_invariant_ops is "
+            "installed, bf16-out bias-free linears are npu_mm_batch_invariant (realisation: linear)"),
+        "reductions": "as the triton backend (fp32, row-shaped trees), launches chunked by rows",
+        "attention": (
+            "flash-attention-npu consistency build where flash_attn_npu_v3 imports: keys in stacks of "
+            "ASCEND_KV_BLOCK from position 0, fp32 softmax state, p rounded to bf16, num_splits 1, pages of "
+            "128; otherwise the triton attention (KV_BLOCK); realisation: attention, kv_block"),
+        "transcendentals": (
+            "fp32 exp/log (A2/A3 cores have no fp64) in every kernel and in silu_mul; RoPE cos/sin tables "
+            "in fp64 on the host CPU (the reference's); sqrt and division IEEE (sqrt_rn, div_rn)"),
         "tp_partial_dtype": "float32",
     },
 }
 
 
-def contract_text(backend: str) -> str:
-    """The canonical text both engines hash: common rules + this backend's realisation."""
+def contract_text(backend: str, realisation=None) -> str:
+    """The canonical text both engines hash: common rules + this backend's realisation
+    (``realisation``: what an installation decides, e.g. the ascend backend's kernels and
+    package versions; None for backends whose realisation is fixed by this text)."""
     if backend not in ACCUMULATION:
         raise ValueError(f"unknown consistent_ops backend {backend!r}; choose one of {sorted(ACCUMULATION)}")
     doc = {"version": VERSION, "kv_block": KV_BLOCK, "common": COMMON,
            "backend": backend, "accumulation": ACCUMULATION[backend]}
+    if realisation is not None:
+        doc["realisation"] = realisation
     return json.dumps(doc, sort_keys=True)
 
 
-def fingerprint(backend: str) -> str:
+def fingerprint(backend: str, realisation=None) -> str:
     """Short id logged by both engines; equal fingerprints = same numerics."""
-    digest = hashlib.sha256(contract_text(backend).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(contract_text(backend, realisation).encode()).hexdigest()[:12]
     return f"cops-v{VERSION}-{backend}-{digest}"

@@ -19,7 +19,8 @@ def _auto():
     import torch
     if torch.cuda.is_available() and importlib.util.find_spec("consistent_ops.triton"):
         return "triton"
-    if hasattr(torch, "npu") and importlib.util.find_spec("consistent_ops.ascend"):
+    npu = getattr(torch, "npu", None)      # present once torch_npu is loaded (autoloaded by torch)
+    if npu is not None and npu.is_available() and importlib.util.find_spec("consistent_ops.ascend"):
         return "ascend"
     return "reference"
 
@@ -35,8 +36,11 @@ def set_backend(name=None):
     if importlib.util.find_spec(_MODULES[name]) is None:
         raise NotImplementedError(f"consistent_ops backend {name!r} is not implemented in this version; "
                                   f"use reference (any device) or triton (CUDA)")
-    _active = importlib.import_module(_MODULES[name])
-    log.info("consistent_ops backend=%s contract=%s", name, fingerprint(name))
+    module = importlib.import_module(_MODULES[name])
+    if hasattr(module, "activate"):        # a backend with runtime requirements (ascend) checks them
+        module.activate()
+    _active = module
+    log.info("consistent_ops backend=%s contract=%s", name, contract_fingerprint())
     return _active
 
 
@@ -50,4 +54,5 @@ def backend_name():
 
 def contract_fingerprint():
     """The fingerprint of the active backend's contract; both engines log and compare it."""
-    return fingerprint(backend_name())
+    backend = get_backend()
+    return fingerprint(backend.NAME, backend.realisation() if hasattr(backend, "realisation") else None)

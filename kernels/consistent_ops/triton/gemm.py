@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import EXACT, INTERPRET as _INTERPRET
+from .common import ASCEND as _ASCEND, EXACT, HALF_DOT_PRECISION, INTERPRET as _INTERPRET
 
 # Tile by M and by the number of programs (the grid has to fill the 132 SMs without
 # splitting K). Each entry: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA).
@@ -41,8 +41,8 @@ def _programs(m, n, cfg):
 
 
 def _config(m, n):
-    if _INTERPRET:       # CPU interpreter: one tile for all M (numpy dots of other shapes round differently)
-        return _NARROW[64]
+    if _INTERPRET or _ASCEND:   # one tile for all M: the CPU interpreter's numpy dots of other
+        return _NARROW[64]      # shapes round differently; Ascend's cube order across shapes is undocumented
     if m <= 16:
         return _TINY[64] if triton.cdiv(n, 64) >= 64 else _TINY[32]
     if m <= 128:
@@ -140,7 +140,7 @@ def matmul(x2, weight, bias=None, out_dtype=None, cfg=None):
     if tma:
         xa, wa = descriptor(x2, [bm, bk]), descriptor(weight, [bn, bk])
     # fp32 operands: exact fp32 products ("ieee"), not tf32
-    precision = "ieee" if x2.dtype == torch.float32 else "tf32"
+    precision = "ieee" if x2.dtype == torch.float32 else HALF_DOT_PRECISION
     _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, m, n, k, x2.stride(0), weight.stride(0),
                        y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PRECISION=precision, TMA=tma,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,

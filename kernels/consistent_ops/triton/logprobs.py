@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..reference import logprobs as ref
 from .autograd import with_torch_grad
-from .common import EXACT
+from .common import EXACT, SCALAR_DIV_RN, exp32, log32
 
 _BLOCK, _WARPS = 4096, 8
 
@@ -34,8 +34,8 @@ def _row_max_lse(Row, vlim, t, BLOCK: tl.constexpr):
     acc = tl.zeros([BLOCK], tl.float32)
     for c0 in range(0, vlim, BLOCK):          # pass 2: sum exp(z - m), blocks in order
         zs = _z(Row, c0 + cols, vlim, t) - m
-        acc += tl.exp(zs.to(tl.float64)).to(tl.float32)
-    lse = tl.log(tl.sum(acc, 0).to(tl.float64)).to(tl.float32)
+        acc += exp32(zs)
+    lse = log32(tl.sum(acc, 0))
     return m, lse
 
 
@@ -56,7 +56,10 @@ def _token_logprob_kernel(Z, Temp, Ids, Out, M, LSE, vlim, stride_z, stride_t, B
     t = tl.load(Temp + row * stride_t)
     m, lse = _row_max_lse(Z + row * stride_z, vlim, t, BLOCK)
     tok = tl.load(Ids + row)
-    z = tl.div_rn(tl.load(Z + row * stride_z + tok).to(tl.float32), t)
+    if SCALAR_DIV_RN:
+        z = tl.div_rn(tl.load(Z + row * stride_z + tok).to(tl.float32), t)
+    else:  # triton-ascend: the same quotient on a [1]-shaped load (see common.SCALAR_DIV_RN)
+        z = tl.max(tl.div_rn(tl.load(Z + row * stride_z + tok + tl.arange(0, 1)).to(tl.float32), t), 0)
     z = tl.where(tok < vlim, z, float("-inf"))
     tl.store(Out + row, (z - m) - lse)
     tl.store(M + row, m)            # saved for the backward

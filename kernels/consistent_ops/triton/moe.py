@@ -30,7 +30,7 @@ from ..experts import ExpertStack
 from ..reference import moe as ref_moe
 from ..reference.pointwise import silu_mul as _silu_mul_torch
 from .autograd import with_torch_grad
-from .common import EXACT, INTERPRET as _INTERPRET
+from .common import ASCEND as _ASCEND, EXACT, INTERPRET as _INTERPRET, exp32
 from .gemm import linear
 
 def _opts(block_n, block_k, warps, stages):
@@ -50,7 +50,7 @@ _INTERP = (128, _opts(128, 64, 8, 3), _opts(128, 64, 8, 3))   # CPU interpreter;
 def _moe_config(rows):
     """Tile set by rows = T * top_k: at decode sizes an expert holds a few rows, and a
     16-row tile streams its weights without 128-row MMAs of padding."""
-    if _INTERPRET:
+    if _INTERPRET or _ASCEND:   # one pinned tile: the interpreter's numpy dots; Ascend's cube order
         return _INTERP
     return _DECODE if rows <= _DECODE_ROWS else _TILES
 
@@ -64,7 +64,7 @@ def _softmax_kernel(L, P, E, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x = tl.load(L + row * stride + cols, mask=cols < E, other=float("-inf"))
-    e = tl.exp((x - tl.max(x, 0)).to(tl.float64)).to(tl.float32)
+    e = exp32(x - tl.max(x, 0))
     tl.store(P + row * stride + cols, tl.div_rn(e, tl.sum(e, 0)), mask=cols < E)
 
 
@@ -101,7 +101,7 @@ def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK
     # gate and up are linear outputs (rounded to dtype); silu_mul: g/(1+exp(-g)) * up in fp32
     g = acc_g.to(Hout.dtype.element_ty).to(tl.float32)
     u = acc_u.to(Hout.dtype.element_ty).to(tl.float32)
-    act = tl.div_rn(g, 1.0 + tl.exp((-g).to(tl.float64)).to(tl.float32))
+    act = tl.div_rn(g, 1.0 + exp32(-g))
     tl.store(Hout + rows[:, None] * stride_h + n[None, :], (act * u).to(Hout.dtype.element_ty),
              mask=live[:, None])
 
@@ -139,7 +139,7 @@ def _route_kernel(L, Ids, W, E, stride, TOPK: tl.constexpr, KB: tl.constexpr, NO
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x = tl.load(L + row * stride + cols, mask=cols < E, other=float("-inf"))
-    e = tl.exp((x - tl.max(x, 0)).to(tl.float64)).to(tl.float32)
+    e = exp32(x - tl.max(x, 0))
     p = tl.where(cols < E, tl.div_rn(e, tl.sum(e, 0)), float("-inf"))
     slots = tl.arange(0, KB)
     ids = tl.zeros([KB], tl.int32)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .autograd import with_torch_grad
-from .common import EXACT
+from .common import EXACT, SCALAR_DIV_RN
 
 
 @triton.jit
@@ -25,7 +25,10 @@ def _rms_norm_kernel(X, Res, W, Y, ResOut, H, Hf, eps, stride_x, stride_r, strid
         tl.store(ResOut + row * stride_y + cols, xr, mask=inside)
         x = xr.to(tl.float32)
     # var = sum(x32^2) / H; y = (x32 * (1 / sqrt(var + eps))) -> dtype, then * weight in dtype
-    var = tl.div_rn(tl.sum(x * x, 0), Hf)
+    if SCALAR_DIV_RN:
+        var = tl.div_rn(tl.sum(x * x, 0), Hf)
+    else:  # triton-ascend: the same quotients on a [1]-shaped row sum (see common.SCALAR_DIV_RN)
+        var = tl.div_rn(tl.sum((x * x)[None, :], 1), Hf)
     inv = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
     y = (x * inv).to(Y.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)

@@ -15,7 +15,7 @@ as pages * page_size. Either way ``permute(0, 2, 1, 3)`` is a strided
 [pages, page_size, Hkv, Dk + Dv] view whose K and V halves are consistent_ops' cache
 layout [pages, page_size, Hkv, D] (strided views, no copy). The page size is vLLM's
 kernel block size; the contract never depends on it (keys are walked in KV_BLOCK
-positions whatever the page size).
+positions whatever the page size). vLLM 0.23 allocates another shape: compat.py.
 
 Metadata facts relied on (vLLM 0.31, NOTES 4b): seq_lens include this step's
 tokens; block_table is in kernel-block units; slot_mapping is -1 on padding; new
@@ -31,10 +31,8 @@ import torch
 import consistent_ops as co
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata)
-try:
-    from vllm.v1.kv_cache_interface import KVCacheLayout
-except ImportError:          # vLLM < 0.31 sizes caches with get_kv_cache_shape instead
-    KVCacheLayout = None
+
+from . import compat
 
 
 class ConsistentAttentionBackend(AttentionBackend):
@@ -59,16 +57,12 @@ class ConsistentAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        if KVCacheLayout is None:
-            return None
         # The Triton kernel addresses rows as pages * page_size (token-major pages).
-        return (KVCacheLayout.LBHNC if co.backend_name() == "reference" else KVCacheLayout.LBNHC,)
+        return compat.kv_cache_layouts(head_major=co.backend_name() == "reference")
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
-        """Older vLLM (e.g. 0.23 under vLLM-Ascend) asks for a shape instead of a layout:
-        K and V stacked, each already in consistent_ops' [pages, page_size, Hkv, D]."""
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return compat.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)   # vLLM 0.23
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -138,17 +132,6 @@ class ConsistentAttentionMetadataBuilder(AttentionMetadataBuilder[ConsistentAtte
         return AttentionGroup(rows, sub, m.seq_lens[sel], m.block_table_tensor[sel], max(lens[i] for i in idx))
 
 
-def split_kv_cache(kv_cache: torch.Tensor):
-    """vLLM's per-layer cache -> K, V [pages, page_size, Hkv, D] views (no copy).
-    0.31: [pages, Hkv, page, Dk + Dv] logical view (LBHNC or LBNHC physical order);
-    older vLLM: [2, pages, page, Hkv, D] from get_kv_cache_shape."""
-    if kv_cache.dim() == 5:
-        return kv_cache[0], kv_cache[1]
-    paged = kv_cache.permute(0, 2, 1, 3)
-    d = paged.shape[-1] // 2
-    return paged[..., :d], paged[..., d:]
-
-
 class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
                  sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
@@ -167,7 +150,7 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
         self.attn_type = attn_type
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        k_cache, v_cache = split_kv_cache(kv_cache)
+        k_cache, v_cache = compat.split_kv_cache(kv_cache)
         n = key.shape[0]
         co.write_kv_cache(key, value, k_cache, v_cache, slot_mapping[:n])
 
@@ -178,7 +161,7 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
         if attn_metadata is None:          # warm-up / memory profiling: no cache yet
             return output.zero_()
         n = attn_metadata.num_tokens
-        k_cache, v_cache = split_kv_cache(kv_cache)
+        k_cache, v_cache = compat.split_kv_cache(kv_cache)
         for g in attn_metadata.groups:
             q = query[:n] if g.rows is None else query[g.rows]
             out = co.attention_paged(q, k_cache, v_cache, g.block_table, g.seq_lens, g.query_start_loc,
