@@ -54,7 +54,10 @@ def registered():
 def test_verl_npu_patches_cannot_reach_our_model(arch, tmp_path_factory, registered, monkeypatch):
     path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", arch, hidden_size=128, num_layers=2)
     ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
-    ours = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    from true_on_policy import hf_model
+    config = hf_model.scoped_config(transformers.AutoConfig.from_pretrained(path))   # as the actor's engine builds it
+    ours = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.bfloat16)
+    assert isinstance(ours, hf_model.TrueOnPolicyForCausalLM)
     stock_cls = getattr(transformers, {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch])
     stock = stock_cls(transformers.AutoConfig.from_pretrained(path)).to(torch.bfloat16)
     with torch.no_grad():
