@@ -16,6 +16,7 @@ setup(
         "consistent_ops",
         "consistent_ops.reference",
         "true_on_policy",
+        "true_on_policy.check",
         "true_on_policy.models",
         "true_on_policy.vllm",
         "true_on_policy.verl",

@@ -17,6 +17,9 @@ VERSION = 1
 # in every attention path (training varlen, prefill, chunked prefill, decode).
 # It is independent of the KV-cache page size on purpose (rule 2/3 of the seeds).
 KV_BLOCK = 64
+# The Triton backend's log-softmax walks the vocabulary in blocks of this many columns,
+# in order, into an accumulator of this width (triton/logprobs.py).
+TRITON_LOGPROB_BLOCK = 4096
 
 COMMON = {
     "attention": (
@@ -59,6 +62,9 @@ COMMON = {
         "CPU paths differ in fp32); rsqrt/sigmoid/silu kernels are never used; sqrt and "
         "division are IEEE correctly rounded"),
     "tie_rule": "top-k ties resolve to the lower index",
+    "greedy": (
+        "temperature 0 = greedy: the token is the argmax of the logprobs rule at T = 1, ties to the "
+        "LOWER token id; its reported log-prob is that T = 1 log-prob"),
 }
 
 # How each backend realises contract_dot and reductions. The reference backend
@@ -92,8 +98,9 @@ ACCUMULATION = {
             "accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every path"),
         "reductions": (
             "fp32, one row per program, tree shape a function of the row length only (RMSNorm, router "
-            "softmax); log-softmax walks the vocabulary in blocks of 4096 in order into a 4096-wide fp32 "
-            "accumulator, then one tree sum; attention row max/sum stay inside one warp"),
+            f"softmax); log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
+            f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator, then one tree sum; attention row max/sum stay "
+            "inside one warp"),
         "transcendentals": (
             "exp/log in fp64 (libdevice) rounded to fp32, except the attention online softmax: fp32 exp "
             "(ex2.approx, exp(0) = 1 and exp(-inf) = 0 exactly); sqrt and division IEEE (sqrt_rn, div_rn); "
@@ -112,7 +119,7 @@ def contract_text(backend: str) -> str:
     """The canonical text both engines hash: common rules + this backend's realisation."""
     if backend not in ACCUMULATION:
         raise ValueError(f"unknown consistent_ops backend {backend!r}; choose one of {sorted(ACCUMULATION)}")
-    doc = {"version": VERSION, "kv_block": KV_BLOCK, "common": COMMON,
+    doc = {"version": VERSION, "kv_block": KV_BLOCK, "triton_logprob_block": TRITON_LOGPROB_BLOCK, "common": COMMON,
            "backend": backend, "accumulation": ACCUMULATION[backend]}
     return json.dumps(doc, sort_keys=True)
 

@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 
+from .. import scheme
 from .hooks import after_import
 
 log = logging.getLogger("true_on_policy.verl")
@@ -208,10 +209,9 @@ def cpu_settings(config) -> dict:
 
 
 def settings_for(n_ranks: int) -> dict:
-    from . import swap_in
     # Packed (remove-padding) batches of a stock HF model rely on flash-attn varlen kernels;
     # the true_on_policy model (TRUE_ON_POLICY=1) packs with the contract's own attention.
-    actor_packing = {} if swap_in.enabled() else {"actor_rollout_ref.model.use_remove_padding": False}
+    actor_packing = {} if scheme.enabled() else {"actor_rollout_ref.model.use_remove_padding": False}
     return {
         "trainer.device": "cpu",
         # FSDP1 needs an accelerator; the ref and critic engines follow.
@@ -272,7 +272,7 @@ def known_rollout_blocker(config) -> str | None:
     (TRUE_ON_POLICY=1) keeps plain weights and is the fix."""
     if accelerator_available() or _select(config, "actor_rollout_ref.rollout.name") != "vllm":
         return None
-    if os.environ.get("TRUE_ON_POLICY") == "1":
+    if scheme.enabled():
         return None
     path = _select(config, "actor_rollout_ref.model.path")
     try:

