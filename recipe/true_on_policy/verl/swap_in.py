@@ -5,7 +5,8 @@ start) turns a stock ``python -m verl.trainer.main_ppo`` job true on-policy. Eac
 is installed right after verl imports the module it concerns (hooks.after_import), so a
 process only pays for what it uses:
 
-  driver        verl.utils.config             preflight (known-breaking settings fail
+  driver        verl.utils.config             on a CPU host its settings (cpu_support);
+                                              preflight (known-breaking settings fail
                                               fast), the startup self-check, and the
                                               trainer's TP emulation degree
   TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
@@ -48,7 +49,11 @@ def _driver(module):
 def _prepare_job(config):
     from omegaconf import open_dict
 
-    from . import preflight, self_check
+    from . import cpu_support, preflight, self_check
+    written = cpu_support.prepare_job(config)   # a CPU host: its settings (command-line keys win)
+    if written:
+        print(f"[true_on_policy] CPU host: {len(written)} CPU settings applied "
+              f"(python -m true_on_policy.verl.cpu_support lists them)", flush=True)
     preflight.check(config)
     with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
