@@ -69,3 +69,23 @@ def test_cpu_threads_bind_splits_the_allowed_cpus(monkeypatch):
     assert scheme.cpu_threads_bind(2) == "0-1|2-3" and scheme.cpu_threads_bind(4) == "0|1|2|3"
     monkeypatch.setattr(scheme.os, "sched_getaffinity", lambda _pid: {0, 1})
     assert scheme.cpu_threads_bind(2) == "0|1"
+
+
+def test_verl_preflight_refuses_a_large_tokenizer_and_a_bad_backend(tmp_path, monkeypatch):
+    """Both once passed the job's preflight and killed an engine later (IndexError on the
+    first id >= vocab; "Engine core initialization failed")."""
+    import json
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    from true_on_policy.verl import preflight
+    model = shutil.copytree(ensure_tiny_model(tmp_path, "qwen3", hidden_size=64, num_layers=1, head_dim=16),
+                            tmp_path / "small_vocab")
+    cfg_json = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg_json, "vocab_size": 512}))
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}, "model": {"path": str(model)}}})
+    assert any("the tokenizer has 1003 tokens but the model's vocab_size is 512" in p for p in preflight.problems(cfg))
+    monkeypatch.setenv("CONSISTENT_OPS_BACKEND", "cpu")
+    assert any("CONSISTENT_OPS_BACKEND='cpu' is not a backend" in p for p in preflight.problems(cfg))

@@ -78,10 +78,28 @@ def _model_rules(cfg):
         return
     tp = int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1) or 1)
     yield from scheme.tp_problems(model, tp)
+    tokenizer = _get(cfg, "actor_rollout_ref.model.tokenizer_path") or path
+    try:
+        from transformers import AutoTokenizer
+        n = len(AutoTokenizer.from_pretrained(str(tokenizer)))
+    except (OSError, ValueError):
+        return                              # verl reports a missing tokenizer itself
+    try:
+        scheme.vocab_limit(n, model.vocab_size)
+    except ValueError as err:
+        yield f"{err} (actor_rollout_ref.model.path={path})"
+
+
+def _backend_rules(_cfg):
+    import consistent_ops as co
+    try:
+        co.set_backend()                    # CONSISTENT_OPS_BACKEND, as every engine will resolve it
+    except (ValueError, NotImplementedError) as err:
+        yield str(err)
 
 
 def problems(cfg) -> list:
-    return [*_rollout_rules(cfg), *_actor_rules(cfg), *_model_rules(cfg)]
+    return [*_rollout_rules(cfg), *_actor_rules(cfg), *_model_rules(cfg), *_backend_rules(cfg)]
 
 
 def check(cfg) -> None:
