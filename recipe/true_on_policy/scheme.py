@@ -59,8 +59,10 @@ def logprob_temperature(temperature: float) -> float:
 # ----------------------------------------------------------------------------- sampling
 # Setting -> values that keep the reported log-prob exact. Anything else changes the
 # distribution after the contract's log-probs (truncation, penalties, biases), so the
-# number reported would describe another distribution. One table for every caller: the
-# verl preflight (job config), vLLM's request admission, the check.
+# number reported would describe another distribution. One table and one function for
+# every caller: the verl preflight (job config), vLLM's request admission, the check. To
+# support a setting (e.g. top-k truncation done inside the contract), take it out of NEUTRAL
+# and give it its own rule in sampling_problems.
 NEUTRAL = {
     "top_k": (None, 0, -1), "top_p": (None, 1.0), "min_p": (None, 0.0),
     "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0),
@@ -80,7 +82,7 @@ def sampling_problems(settings: dict, prefix: str = "") -> list[str]:
         value = settings.get(name)
         if value not in neutral:
             found.append(f"{prefix}{name}={value!r} changes the sampling distribution after the contract's "
-                         f"log-probs; leave it at its default ({neutral[1]!r})")
+                         f"log-probs; leave it at its default ({' or '.join(map(repr, neutral[1:]))})")
     return found
 
 
