@@ -42,7 +42,7 @@ def parse_args(argv=None):
                    help="architecture of the default tiny model (ignored with --model)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (0 = greedy)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
