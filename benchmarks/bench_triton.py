@@ -195,6 +195,35 @@ def actor_step():
     record("actor", f"4-layer fwd+bwd {tokens} tokens", ours_ms, stock, goal=">= 1.2x (vs HF eager)")
 
 
+def actor_profile():
+    """Where the 4-layer actor step's time goes (host vs device), for issue 11: the torch
+    profiler's top ops by host time and by device time, and the launch count."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from harness import build_model
+    tokens = 4096
+    ids = torch.randint(0, 151643, (tokens,), device=DEV)
+    pos = torch.arange(tokens, device=DEV)
+    model = build_model(layers=4, stacked=False)
+
+    def step():
+        logits = model.forward_packed(ids, pos)
+        (-co.token_logprobs(logits[:-1], ids[1:]).mean()).backward()
+        model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    print(f"actor profile: {launches} kernel launches per step")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    del model
+
+
 # ---------------------------------------------------------------- tile probes (--only probe)
 def _graph_ms(fn, n=20, reps=9):
     """Median ms per call of a CUDA graph of n calls (inputs as in do_bench_cudagraph)."""
@@ -251,6 +280,33 @@ def probe_linear():
                 print(f"  {name:6s} {cname:20s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
 
 
+def probe_attention():
+    """Forward tiles (rows, warps, stages) of the attention kernel: ms at S=16k (varlen) and a
+    2k chunk at context 8k (paged), and whether their outputs equal the one tile's bit for bit."""
+    from consistent_ops.triton import attention as ta
+    s, chunk, ctx = 16384, 2048, 8192
+    q, k, v = rand(s, HQ, D), rand(s, HKV, D), rand(s, HKV, D)
+    cu = torch.tensor([0, s], device=DEV, dtype=torch.int32)
+    from harness import PagedKV
+    kv = PagedKV(1, (ctx + chunk) // 16 + 8, 16, HKV, D, BF16, DEV)
+    kv.k[0].normal_(), kv.v[0].normal_()
+    kv.plan([(0, ctx)])
+    _, _, bt, seq_lens, qsl = kv.plan([(0, chunk)])
+    qc = rand(chunk, HQ, D)
+    scale = D ** -0.5
+    runs = {"varlen 16k": lambda t: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, s, scale, False, tile=t),
+            "paged 2k@8k": lambda t: ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, chunk, scale, True, tile=t)}
+    base = {name: run(None) for name, run in runs.items()}
+    for tile in ((64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 8, 3), (128, 8, 2), (128, 4, 2), (64, 8, 3)):
+        for name, run in runs.items():
+            try:
+                same = torch.equal(run(tile), base[name])
+                print(f"  attention {name} tile {tile}: {bench(lambda: run(tile), rep=100):.3f} ms bits "
+                      f"{'same' if same else 'DIFF'}", flush=True)
+            except Exception as e:
+                print(f"  attention {name} tile {tile}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+
+
 def _moe_cfg(bm, gu, dn):
     opts = lambda c: dict(BLOCK_N=c[0], BLOCK_K=c[1], num_warps=c[2], num_stages=c[3])  # noqa: E731
     return bm, opts(gu), opts(dn)
@@ -259,7 +315,11 @@ def _moe_cfg(bm, gu, dn):
 MOE_PROBE = [(64, (64, 64, 4, 4), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (256, 64, 8, 4)),
              (64, (64, 64, 4, 3), (256, 64, 8, 3)), (64, (128, 64, 4, 4), (128, 64, 4, 4)),
              (64, (128, 64, 4, 4), (256, 64, 8, 3)), (128, (128, 64, 8, 4), (256, 64, 8, 3)),
-             (128, (128, 64, 8, 3), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (128, 128, 4, 3))]
+             (128, (128, 64, 8, 3), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (128, 128, 4, 3)),
+             (16, (128, 64, 4, 4), (128, 64, 4, 4)), (16, (64, 64, 4, 4), (128, 64, 4, 4)),
+             (16, (128, 128, 4, 3), (128, 128, 4, 3)), (16, (256, 64, 8, 3), (256, 64, 8, 3)),
+             (32, (128, 64, 4, 4), (128, 64, 4, 4)), (16, (64, 128, 4, 4), (64, 128, 4, 4)),
+             (16, (32, 64, 4, 4), (64, 64, 4, 4)), (16, (64, 64, 4, 4), (64, 64, 4, 4))]
 # first probe (2026-11-30, same device): BM128 gu(128,64,8,3) dn(128,64,8,3) [the old entry]
 # 1.195 / 1.750 / 2.445 ms at T 1024 / 4096 / 8192; BM128 dn(256,64,8,3) 1.068 / 1.696 / 2.177;
 # BM64 gu(64,64,4,4) dn(128,64,4,3) 1.075 / 1.870 / 2.465; BM64 gu(128,64,4,4) dn(128,64,4,4)
@@ -267,13 +327,13 @@ MOE_PROBE = [(64, (64, 64, 4, 4), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (256, 6
 
 
 def probe_moe():
-    """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included) at T tokens,
+    """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included, graph replays) at T tokens,
     and whether the contributions equal the first entry's bit for bit."""
     h, inter, e, topk = 2048, 768, 128, 8
     wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
     wd = rand(e, h, inter, scale=inter ** -0.5)
     local = list(range(e))
-    for t in (1024, 4096, 8192):
+    for t in (1, 8, 64, 256, 1024, 8192):         # 1 .. 256: decode batches
         x = rand(t, h)
         ids, w = co.moe_route(x, rand(e, h, scale=h ** -0.5), topk)
         base = None
@@ -283,7 +343,7 @@ def probe_moe():
                 run = lambda: tmoe._grouped_kernel(x, w, wg, wu, wd, ids=ids, local=local, cfg=cfg)  # noqa: E731
                 out = run()[0]
                 base = out if base is None else base
-                ms = bench(run, rep=100)
+                ms = _graph_ms(run)          # graph replays: the plan is capturable
                 print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: {ms:.3f} ms bits "
                       f"{'same' if torch.equal(out, base) else 'DIFF'}", flush=True)
             except Exception as ex:
@@ -312,7 +372,8 @@ def main():
           f"{__import__('triton').__version__} contract {co.contract_fingerprint()}", flush=True)
     bw = ceilings() if any(k in args.only for k in ("decode", "attention")) else 0
     steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, moe=moe,
-                 actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe)
+                 actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
+                 actor_profile=actor_profile, probe_attention=probe_attention)
     failed = []
     for key in args.only:
         try:

@@ -15,5 +15,8 @@ python3 -m pytest -q -rs tests/gpu -p no:cacheprovider --junitxml "$out_dir/juni
 tests_rc=${PIPESTATUS[0]}
 python3 benchmarks/bench_triton.py --json "$out_dir/bench.json" 2>&1 | tee "$out_dir/bench.log"
 bench_rc=${PIPESTATUS[0]}
-echo "tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+# the full 48-layer Qwen3-30B-A3B shape: trainer == rollout bitwise, graph-replayed decode, prefill
+python3 benchmarks/bench_rollout_gpu.py --json "$out_dir/rollout.json" 2>&1 | tee "$out_dir/rollout.log"
+rollout_rc=${PIPESTATUS[0]}
+echo "tests rc=$tests_rc bench rc=$bench_rc rollout rc=$rollout_rc"
+exit $(( tests_rc != 0 || bench_rc != 0 || rollout_rc != 0 ))

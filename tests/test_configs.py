@@ -21,13 +21,16 @@ def test_large_presets_compose_and_pass_preflight(preset, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
     cfg = _compose([f"preset={preset}", f"actor_rollout_ref.model.path={tmp_path}",
                     "data.train_files=train.parquet", "data.val_files=val.parquet"])
-    extra = {k for k in _leaf_keys(cfg) - _leaf_keys(_compose(["~preset"])) if not k.startswith("true_on_policy.")}
+    extra = {k for k in _leaf_keys(cfg) - _leaf_keys(_compose(["~preset"]))
+             if not k.startswith(("true_on_policy.", "actor_rollout_ref.rollout.engine_kwargs.vllm."))}
     assert not extra, f"keys verl does not have: {extra}"
     assert preflight.problems(cfg) == []
     ro = cfg.actor_rollout_ref.rollout
     assert ro.tensor_model_parallel_size == 4 and ro.calculate_log_probs and ro.dtype == "bfloat16"
     assert cfg.actor_rollout_ref.actor.strategy == "fsdp2" and cfg.true_on_policy.self_check.enable
     assert cfg.trainer.n_gpus_per_node == (16 if "ascend" in preset else 8)
+    if "h200" in preset:   # CUDA graphs on: full graphs for decode batches (tests/gpu/test_triton_graphs.py)
+        assert not ro.enforce_eager and ro.engine_kwargs.vllm.compilation_config.cudagraph_mode == "FULL_DECODE_ONLY"
 
 
 def test_preflight_rejects_tp8_for_qwen3_30b(tmp_path):

@@ -90,3 +90,31 @@ def test_tp2_ranks_equal_trainer_emulation(arch):
 def test_tp_heads_not_divisible_is_a_clear_error():
     with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tensor_parallel_size=4"):
         ConsistentForCausalLM(tiny_config("qwen3"), tp_size=4)
+
+
+def test_stacked_experts_keep_names_bits_loading_and_gradients():
+    """The rollout's stacked expert layout (CausalLM.stack_experts): the same parameter names,
+    the same logits bit for bit, in-place loads land in the stacks, autograd still reaches
+    every expert; the stacks are used only while the parameters are still their views."""
+    cfg = tiny_config("qwen3_moe")
+    plain, stacked = random_model(cfg), random_model(cfg).stack_experts()
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in stacked.named_parameters()]
+    block = stacked.model.layers[0].mlp
+    with torch.no_grad():
+        assert block._experts(cfg.dtype) is block._stack
+    assert isinstance(block._experts(cfg.dtype), dict)       # autograd: the per-expert views
+    seqs = prompts()
+    assert all(torch.equal(a, b) for a, b in zip(trainer_logits(plain, seqs), trainer_logits(stacked, seqs)))
+    name = "model.layers.1.mlp.experts.5.down_proj.weight"
+    new = torch.randn_like(dict(stacked.named_parameters())[name], dtype=torch.float32)
+    for m in (plain, stacked):
+        m.load_weights([(name, new)])
+    assert torch.equal(stacked.model.layers[1].mlp._stack.down[5], new.to(cfg.dtype))
+    assert all(torch.equal(a, b) for a, b in zip(trainer_logits(plain, seqs), trainer_logits(stacked, seqs)))
+    ids = torch.cat(seqs)
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])
+    stacked.forward_packed(ids, pos).float().pow(2).mean().backward()
+    assert all(p.grad is not None for n, p in stacked.named_parameters() if ".experts." in n)
+    with torch.no_grad():   # a replaced parameter (as FSDP or .to() would do): per-expert weights again
+        block.experts["0"].gate_proj.weight = torch.nn.Parameter(block.experts["0"].gate_proj.weight.clone())
+        assert isinstance(block._experts(cfg.dtype), dict)

@@ -276,3 +276,39 @@ def test_v2_processor_reads_temperature_by_slot():
     out = proc.apply(logits.clone(), SimpleNamespace(expanded_idx_mapping=torch.tensor([3, 0])))
     assert torch.equal(out[0], co.log_softmax(logits[:1], 0.5, 90)[0])
     assert torch.equal(out[1], co.log_softmax(logits[1:], 1.0, 90)[0])
+
+
+def test_padded_decode_batch_is_one_call_over_the_persistent_buffers():
+    """What a FULL CUDA graph replays (vLLM pads a decode batch up to a capture size:
+    padding requests with no tokens, padding tokens with slot -1): one attention call over
+    views of the runner's persistent buffers, launch bound = the query length, and the real
+    tokens' outputs equal those of the unpadded step."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    assert va.ConsistentAttentionMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_BATCH
+    torch.manual_seed(1)
+    hq, hkv, d, page, dt, pages = 4, 2, 32, 16, torch.bfloat16, 32
+    tables, ctx = [[3, 7], [5], [9, 2]], [20, 9, 31]             # 3 real decodes, context incl. this token
+    builder = va.ConsistentAttentionMetadataBuilder(None, [], None, "cpu")
+    impl = va.ConsistentAttentionImpl(hq, d, d ** -0.5, hkv)
+    cache = _vllm_cache(pages, page, hkv, d, dt)
+    full_k = torch.randn(pages * page, hkv, d, dtype=dt)
+    for t, n in zip(tables, ctx):                                # the cached context
+        pos = torch.arange(n - 1)
+        slots = torch.tensor(t)[pos // page] * page + pos % page
+        impl.do_kv_cache_update(None, full_k[slots], full_k[slots], cache, slots)
+    q, k = torch.randn(8, hq, d, dtype=dt), torch.randn(8, hkv, d, dtype=dt)
+    slots = torch.tensor([t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, ctx)])
+    outs = []
+    for size in (3, 8):                                          # unpadded, padded to a capture size of 8
+        meta = _metadata([1] * 3 + [0] * (size - 3), ctx + [0] * (size - 3), tables + [[0]] * (size - 3),
+                         torch.cat([slots, torch.full((size - 3,), -1)]))
+        built = builder.build(0, meta)
+        (group,) = built.groups
+        assert group.rows is None and group.max_query_len == 1
+        assert group.query_start_loc.data_ptr() == meta.query_start_loc.data_ptr()   # views, no copies
+        assert group.block_table.data_ptr() == meta.block_table_tensor.data_ptr()
+        out = torch.full((size, hq, d), float("nan"), dtype=dt)
+        impl.do_kv_cache_update(None, k[:size], k[:size], cache, meta.slot_mapping)
+        impl.forward(None, q[:size], k[:size], k[:size], cache, built, out)
+        outs.append(out[:3])
+    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()

@@ -24,6 +24,7 @@ import numpy as np  # noqa: E402
 import triton.language as tl  # noqa: E402
 import triton.runtime.interpreter as interp  # noqa: E402
 
+import consistent_ops as co  # noqa: E402
 import consistent_ops.reference as R  # noqa: E402
 import consistent_ops.triton as T  # noqa: E402
 
@@ -212,6 +213,12 @@ def test_moe_route_and_contributions(moe):
     lo, own_lo = T.moe_expert_contributions(x, ids, w, experts, [0, 1, 2])
     hi, own_hi = T.moe_expert_contributions(x, ids, w, experts, [3, 4, 5, 6, 7])
     assert torch.equal(torch.where(own_lo[..., None], lo, hi), contrib) and torch.equal(own_lo ^ own_hi, owned)
+    odd, own_odd = T.moe_expert_contributions(x, ids, w, experts, [1, 3, 6])     # not a range: lookup table
+    assert torch.equal(odd[own_odd], contrib[own_odd]) and not own_odd.all()
+    # the rollout's stacked layout (ExpertStack) is read in place: the same bits
+    stack = co.ExpertStack(*(torch.stack([experts[e][i] for e in range(E)]) for i in range(3)), range(E))
+    assert torch.equal(T.moe_expert_contributions(x, ids, w, stack)[0], contrib)
+    assert torch.equal(R.moe_expert_contributions(x, ids, w, stack)[0], contrib_ref)
 
 
 def test_moe_gradients(moe):
@@ -244,3 +251,80 @@ def test_expert_stacks_cached_in_inference_mode_only():
         with torch.no_grad():
             flat[4].mul_(-1)                                   # a weight load: bumps the version
         assert torch.equal(M._stacked(flat, 2)[2][0], flat[4])
+
+
+def test_kv_cache_write_skips_padding_slots():
+    """The Triton cache write (capturable: padding is skipped on the device) stores what the
+    reference stores, for any cache strides; slot -1 rows write nothing."""
+    k, v = rand(6, 2, 32, seed=60), rand(6, 2, 32, seed=61)
+    slots = torch.tensor([5, -1, 17, 0, -1, 31])
+    for layout in ("token-major", "head-major"):
+        caches = []
+        for backend in (T, R):
+            if layout == "token-major":
+                kc, vc = (torch.full((4, 8, 2, 32), float("nan"), dtype=BF16) for _ in range(2))
+            else:
+                kc, vc = (torch.full((4, 2, 8, 32), float("nan"), dtype=BF16).transpose(1, 2) for _ in range(2))
+            backend.write_kv_cache(k, v, kc, vc, slots)
+            caches.append((kc, vc))
+        for a, b in zip(*caches):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), layout
+        assert caches[0][0].isnan().sum() == (32 - 4) * 2 * 32
+
+
+def fused_cases():
+    """Inputs for the fused router / RoPE / combine kernels, with exact ties in the router."""
+    logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(70))
+    logits[3] = 0.5                                            # all experts tie: ids 0, 1
+    logits[5, 2] = logits[5, 6] = logits[5].max() + 1          # a tie at the top: 2 before 6
+    x = rand(40, 4, 32, seed=71)
+    cos, sin = R.rope_cos_sin(torch.arange(40) * 37, 32, 1e6)
+    return logits, x, cos, sin, torch.randn(40, 2, 128, generator=torch.Generator().manual_seed(72))
+
+
+def torch_route(M, logits, k):
+    probs = M._softmax_rows(logits)
+    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = torch.gather(probs, 1, ids)
+    total = w[:, 0]
+    for j in range(1, k):
+        total = total + w[:, j]
+    return ids, w / total[:, None]
+
+
+def test_fused_router_rope_combine_equal_their_torch_forms():
+    """One kernel each (rollout), the same bits as the torch ops they replace (which the
+    trainer's autograd path runs): router softmax + top-k (ties to the lower id) + renorm,
+    RoPE, the slot-ordered combine."""
+    from consistent_ops.triton import moe as M
+    logits, x, cos, sin, contrib = fused_cases()
+    ids, w = M._route_fused(logits, 2, True)
+    ids_t, w_t = torch_route(M, logits, 2)
+    assert torch.equal(ids, ids_t) and torch.equal(w, w_t)
+    assert ids[3].tolist() == [0, 1] and ids[5].tolist() == [2, 6]
+    assert torch.equal(T.apply_rope(x, cos, sin), R.apply_rope(x, cos, sin))
+    assert torch.equal(T.moe_combine(contrib, BF16), R.moe_combine(contrib, BF16))
+    xg, cg = x.clone().requires_grad_(), contrib.clone().requires_grad_()
+    (T.apply_rope(xg, cos, sin).float().sum() + T.moe_combine(cg, torch.float32).sum()).backward()
+    assert xg.grad is not None and torch.equal(cg.grad, torch.ones_like(cg))
+
+
+@pytest.mark.parametrize("t, k, n_exp, lo, n_local, bm", [(37, 2, 8, 3, 5, 16), (200, 8, 16, 0, 16, 16),
+                                                          (1, 8, 128, 0, 128, 16), (100, 4, 8, 4, 4, 4),
+                                                          (1100, 8, 16, 0, 16, 128)])   # 8,800 rows: 3 passes
+def test_one_kernel_plan_equals_the_torch_plan(t, k, n_exp, lo, n_local, bm):
+    """The MoE plan in one launch (_plan_fused) gives the torch plan's order, keys and tile
+    table (idle tile slots: no rows either way)."""
+    from consistent_ops.triton import moe as M
+    ids = torch.randint(0, n_exp, (t, k), generator=torch.Generator().manual_seed(t))
+    fused, key, n_tiles = M._plan_fused(ids.reshape(-1).contiguous(), lo, n_local, bm)
+    M._FUSED_PLAN = False                            # the torch plan
+    try:
+        ref, key_ref, n_ref = M._plan(ids, list(range(lo, lo + n_local)), n_local, bm)
+    finally:
+        M._FUSED_PLAN = True
+    live = ref["tile_e"] >= 0
+    assert n_tiles == n_ref and torch.equal(key, key_ref)
+    assert torch.equal(fused["order"], ref["order"]) and torch.equal(fused["tile_e"], ref["tile_e"])
+    assert torch.equal(fused["row0"][live], ref["row0"][live]) and torch.equal(fused["row_end"][live], ref["row_end"][live])
+    assert (fused["row0"][~live] >= fused["row_end"][~live]).all()

@@ -7,6 +7,7 @@ what both engines log and must agree on.
 """
 from .contract import KV_BLOCK, fingerprint
 from .dispatch import backend_name, contract_fingerprint, get_backend, set_backend
+from .experts import ExpertStack
 
 
 def attention_varlen(q, k, v, cu_seqlens, scale=None):
@@ -14,9 +15,13 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     return get_backend().attention_varlen(q, k, v, cu_seqlens, scale)
 
 
-def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None):
-    """New tokens against a paged KV cache [pages, page_size, Hkv, D] that already holds them."""
-    return get_backend().attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale)
+def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
+                    max_query_len=None):
+    """New tokens against a paged KV cache [pages, page_size, Hkv, D] that already holds them.
+    max_query_len: an upper bound on any sequence's new tokens (a launch size; never the bits),
+    e.g. vLLM's metadata value; by default derived from the shapes."""
+    return get_backend().attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
+                                         max_query_len)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
@@ -80,6 +85,7 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
 
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
+    """experts: e -> (w_gate, w_up, w_down), a mapping or an ExpertStack (stacked weights)."""
     return get_backend().moe_expert_contributions(x, ids, weights, experts, local_experts)
 
 

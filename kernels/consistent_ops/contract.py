@@ -93,12 +93,14 @@ ACCUMULATION = {
             "the program count (BLOCK_M 16..256, BLOCK_N 16..256, BLOCK_K 64/128, pointer or CUDA TMA "
             "loads; the CPU interpreter pins one shape), all shapes giving identical bits on the H200; "
             "MoE experts: the same walk over one expert's rows (gate/up fp32, rounded, SiLU*up; down "
-            "fp32 times the routing weight), one tile set for every batch; "
+            "fp32 times the routing weight), a 16-row tile up to 2048 (token, slot) rows and a 128-row tile "
+            "above, both giving identical bits on the H200; "
             "attention: p rounded to the value dtype for contract_dot(p, v), acc*a fed as the MMA "
             "accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every path"),
         "reductions": (
             "fp32, one row per program, tree shape a function of the row length only (RMSNorm, router "
-            f"softmax); log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
+            "softmax; without autograd the router's top-k and renormalisation run in the same kernel); "
+            f"log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
             f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator, then one tree sum; attention row max/sum stay "
             "inside one warp"),
         "transcendentals": (

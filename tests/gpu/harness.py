@@ -16,12 +16,16 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, num_heads=32, num_kv_h
                      rms_norm_eps=1e-6, rope_theta=1e6)
 
 
-def build_model(layers=4, seed=0, device="cuda"):
-    """Our trainer/rollout model with random weights (std 0.02, norms near 1)."""
+def build_model(layers=4, seed=0, device="cuda", stacked=True):
+    """Our trainer/rollout model with random weights (std 0.02, norms near 1). stacked:
+    experts kept in stacked tensors, as the vLLM model class keeps them (the trainer's
+    forward is the same either way; autograd uses the per-expert views)."""
     from true_on_policy.models import ConsistentForCausalLM, ModelConfig
     cfg = ModelConfig(arch="qwen3_moe", num_layers=layers, moe_layers=list(range(layers)), **QWEN3_30B_A3B)
     with torch.device(device):
         model = ConsistentForCausalLM(cfg)
+    if stacked:
+        model.stack_experts()
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -110,3 +114,57 @@ class ModelRunner:
         ids = torch.cat([t for _, t in batch]).to(step[1].device)
         hidden = self.model.model(ids, step[1], lambda i, q, k, v: self.kv.attend(i, q, k, v, step))
         return self.model.compute_logits(hidden)
+
+
+class GraphRunner:
+    """What vLLM's runner does for FULL CUDA-graph decode: persistent input buffers, one
+    graph per capture size, a real batch padded up to the smallest size that holds it
+    (padding tokens: id 0, position 0, slot -1; padding requests: no tokens), replays
+    across steps while block tables and sequence lengths change. The graph holds the whole
+    forward and the LM head; only the buffer fills run on the host."""
+
+    def __init__(self, runner: ModelRunner, sizes=(1, 8, 64), max_pages=256):
+        self.runner, self.kv, self.model = runner, runner.kv, runner.model
+        self.pool, self.graphs = torch.cuda.graph_pool_handle(), {}
+        dev, i32 = self.kv.device, torch.int32
+        for b in sorted(sizes):
+            bufs = dict(ids=torch.zeros(b, dtype=torch.long, device=dev),
+                        pos=torch.zeros(b, dtype=torch.long, device=dev),
+                        slots=torch.full((b,), -1, dtype=torch.long, device=dev),
+                        table=torch.zeros(b, max_pages, dtype=i32, device=dev),
+                        seq_lens=torch.ones(b, dtype=i32, device=dev),
+                        qsl=torch.arange(b + 1, dtype=i32, device=dev))
+            self.graphs[b] = (bufs, *self._capture(bufs))
+
+    def _forward(self, bufs):
+        step = (bufs["slots"], bufs["pos"], bufs["table"], bufs["seq_lens"], bufs["qsl"])
+        hidden = self.model.model(bufs["ids"], bufs["pos"], lambda i, q, k, v: self.kv.attend(i, q, k, v, step))
+        return self.model.compute_logits(hidden)
+
+    @torch.no_grad()
+    def _capture(self, bufs):
+        """Warm up (compiles every kernel, slot -1 writes nothing) on a side stream, then capture."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(bufs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(bufs)
+        return graph, out
+
+    def step(self, batch):
+        """batch: [(seq_id, token_ids [1])] (one new token each). Returns fp32 logits [len(batch), V]."""
+        n = len(batch)
+        size = min(b for b in self.graphs if b >= n)
+        bufs, graph, out = self.graphs[size]
+        slots, pos, table, seq_lens, qsl = self.kv.plan([(sid, 1) for sid, _ in batch])
+        bufs["ids"].zero_()[:n] = torch.cat([t for _, t in batch]).to(bufs["ids"].device)
+        bufs["pos"].zero_()[:n] = pos
+        bufs["slots"].fill_(-1)[:n] = slots
+        bufs["table"].zero_()[:n, :table.shape[1]] = table
+        bufs["seq_lens"].zero_()[:n] = seq_lens
+        bufs["qsl"].fill_(n)[:n + 1] = qsl          # padding requests: no tokens
+        graph.replay()
+        return out[:n].clone()

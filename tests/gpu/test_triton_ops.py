@@ -139,6 +139,9 @@ def test_moe_rows_independent_of_batch_and_placement(moe):
     halves = [co.moe_expert_contributions(x, ids, w, experts, range(r * 64, (r + 1) * 64)) for r in (0, 1)]
     merged = torch.where(halves[0][1][..., None], halves[0][0], halves[1][0])   # EP=2 emulation
     assert torch.equal(merged, contrib)
+    small = [co.moe_expert_contributions(x[:64], ids[:64], w[:64], experts, range(r * 64, (r + 1) * 64))
+             for r in (0, 1)]                  # decode size: the one-kernel plan, EP=2
+    assert torch.equal(torch.where(small[0][1][..., None], small[0][0], small[1][0]), contrib[:64])
     out = co.moe_combine(contrib, BF16)
     total = contrib[:, 0]
     for j in range(1, TOPK):
@@ -188,10 +191,12 @@ def test_moe_rows_across_tile_configs(moe):
     x = rand(8192, H, seed=23)
     ids, w = co.moe_route(x, gate, TOPK)
     full, _ = co.moe_expert_contributions(x, ids, w, experts)
-    for lo, hi in ((0, 1), (0, 2048), (100, 5100), (8000, 8192)):
+    for lo, hi in ((0, 1), (0, 64), (0, 256), (0, 257), (0, 2048), (100, 5100), (8000, 8192)):   # decode tile <= 256
         assert torch.equal(co.moe_expert_contributions(x[lo:hi], ids[lo:hi], w[lo:hi], experts)[0], full[lo:hi])
     wg, wu, wd = (torch.stack([experts[e][i] for e in range(E)]) for i in range(3))
-    for cfg in (tmoe._TILES, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
+    stack = co.ExpertStack(wg, wu, wd, range(E))       # the rollout's stacked layout: same bits
+    assert torch.equal(co.moe_expert_contributions(x[:300], ids[:300], w[:300], stack)[0], full[:300])
+    for cfg in (tmoe._TILES, tmoe._DECODE, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
         got = tmoe._grouped_kernel(x[:3000], w[:3000], wg, wu, wd, ids=ids[:3000], local=list(range(E)), cfg=cfg)
         assert torch.equal(got[0], full[:3000]), cfg[0]
 
@@ -209,3 +214,27 @@ def test_moe_stack_cache_follows_in_place_updates(moe):
         b = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
     fresh = {e: tuple(t.clone() for t in ws) for e, ws in ex.items()}
     assert not torch.equal(a, b) and torch.equal(b, co.moe_expert_contributions(x[:64], ids, w, fresh)[0])
+
+
+# ---------------------------------------------------------------- fused rollout kernels
+def test_fused_router_rope_combine_equal_their_torch_forms(moe):
+    """The rollout's one-kernel router (softmax + top-8 with ties to the lower id + renorm),
+    RoPE and slot-ordered combine give the bits of the torch ops the trainer's autograd
+    path runs, at Qwen3-30B-A3B shapes."""
+    from consistent_ops.triton import moe as tmoe
+    x, gate, _ = moe
+    logits = co.linear(x, gate, out_dtype=torch.float32).contiguous()
+    logits[7] = 0.25                                              # an all-tie row
+    probs = tmoe._softmax_rows(logits)
+    ids_t = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :TOPK]
+    w_t = torch.gather(probs, 1, ids_t)
+    total = w_t[:, 0]
+    for j in range(1, TOPK):
+        total = total + w_t[:, j]
+    ids, w = tmoe._route_fused(logits, TOPK, True)
+    assert torch.equal(ids, ids_t) and torch.equal(w, w_t / total[:, None]) and ids[7].tolist() == list(range(TOPK))
+    q = rand(4096, 32, 128, seed=40)
+    cos, sin = ref.rope_cos_sin(torch.arange(4096, device=DEV) * 3, 128, 1e6)
+    assert torch.equal(co.apply_rope(q, cos, sin), ref.apply_rope(q, cos, sin))
+    contrib = torch.randn(4096, TOPK, H, device=DEV)
+    assert torch.equal(co.moe_combine(contrib, BF16), ref.moe_combine(contrib, BF16))

@@ -163,6 +163,18 @@ def _unpad_rows(x, lens):
     return torch.cat([x[i, :n] for i, n in enumerate(lens)], dim=0)
 
 
+def _padded_batch(q, key_cache, value_cache, block_table, seq_lens, starts, lens, scale):
+    """The requests that have tokens, attended alone; rows no request holds are zeros."""
+    out = torch.zeros_like(q)
+    keep = [i for i, n in enumerate(lens) if n]
+    if keep:
+        rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in keep]).to(q.device)
+        qsl = torch.tensor([0] + [lens[i] for i in keep]).cumsum(0)
+        sel = torch.tensor(keep, device=seq_lens.device)
+        out[rows] = attention_paged(q[rows], key_cache, value_cache, block_table[sel], seq_lens[sel], qsl, scale)
+    return out
+
+
 def attention_varlen(q, k, v, cu_seqlens, scale=None):
     """Packed causal attention. q [T, Hq, D]; k, v [T, Hkv, D]; cu_seqlens [S+1] int.
     Differentiable (training forward)."""
@@ -189,14 +201,18 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     value_cache[page, pos] = value[keep].to(value_cache.dtype)
 
 
-def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None):
+def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
+                    max_query_len=None):
     """New tokens of each sequence against the paged cache (which already holds them).
     q [T, Hq, D]; caches [pages, page_size, Hkv, D]; block_table [S, max_pages];
-    seq_lens [S] include this step's tokens; query_start_loc [S+1]."""
+    seq_lens [S] include this step's tokens; query_start_loc [S+1]. max_query_len (a launch
+    bound for backends that size grids by it) is not needed here: the lengths are read."""
     _check_heads(q.shape[1], key_cache.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bounds = query_start_loc.tolist()
     starts, lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    if 0 in lens or bounds[-1] < q.shape[0]:    # padding (a padded capture size): rows of no request are 0
+        return _padded_batch(q, key_cache, value_cache, block_table, seq_lens, starts, lens, scale)
     width = max(lens)
     seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
     qp = _pad_rows(q, starts, lens, width)

@@ -6,8 +6,11 @@ NEG_INF = float("-inf")
 
 def _temperature_column(temperature, logits):
     """Temperature as an fp32 tensor [rows, 1] (one per row, as vLLM's sampler holds it):
-    z = logits / T is one IEEE division, never a multiplication by 1/T (rounds differently)."""
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    z = logits / T is one IEEE division, never a multiplication by 1/T (rounds differently).
+    A Python number becomes a device fill, not a host-to-device copy (CUDA-graph capturable)."""
+    if not isinstance(temperature, torch.Tensor):
+        return torch.full((1, 1), float(temperature), dtype=torch.float32, device=logits.device)
+    t = temperature.to(device=logits.device, dtype=torch.float32)
     return t.reshape(-1, 1) if t.ndim else t.reshape(1, 1)
 
 

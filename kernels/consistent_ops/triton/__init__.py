@@ -9,10 +9,11 @@ reference backend's.
 """
 from .attention import attention_paged, attention_varlen
 from .gemm import linear, row_parallel_partial
+from .kvcache import write_kv_cache
 from .logprobs import log_softmax, token_logprobs
 from .moe import moe_combine, moe_expert_contributions, moe_route
 from .norm import add_rms_norm, rms_norm
-from .pointwise import (apply_rope, embedding, finish_row_parallel, ordered_sum, rope_cos_sin, silu_mul,
-                        write_kv_cache)
+from .pointwise import embedding, finish_row_parallel, ordered_sum, rope_cos_sin, silu_mul
+from .rope import apply_rope
 
 NAME = "triton"

@@ -249,10 +249,11 @@ def _check(q, hkv):
     return hq // hkv
 
 
-def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None):
-    """Launch the one forward kernel. k/v: packed [T, Hkv, D] or caches [pages, page, Hkv, D]."""
+def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None, tile=None):
+    """Launch the one forward kernel. k/v: packed [T, Hkv, D] or caches [pages, page, Hkv, D].
+    tile: (rows, warps, stages) instead of the one forward tile (probes only)."""
     g = _check(q, k.shape[-2])
-    rows, warps = _TILE
+    rows, warps, stages = tile or (*_TILE, _STAGES)
     if g > rows:
         raise NotImplementedError(f"{g} query heads per KV head: at most {rows}")
     tpt = rows // g
@@ -272,7 +273,7 @@ def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None)
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, scale,
         G=g, TPT=tpt, ROWS=rows, D=q.shape[-1], KV=KV_BLOCK, PAGE=page, PAGED=paged,
-        STORE_LSE=lse is not None, num_warps=warps, num_stages=_STAGES, **EXACT)
+        STORE_LSE=lse is not None, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
@@ -331,12 +332,16 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     return _VarlenAttention.apply(q, k, v, cu, _max_new_bound(q, cu), scale)
 
 
-def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None):
+def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
+                    max_query_len=None):
     """New tokens of each sequence against the paged cache (which already holds them).
     q [T, Hq, D]; caches [pages, page_size, Hkv, D]; block_table [S, max_pages];
-    seq_lens [S] include this step's tokens; query_start_loc [S+1]."""
+    seq_lens [S] include this step's tokens; query_start_loc [S+1]. max_query_len bounds the
+    grid (needed when padding requests with no tokens make the shape bound too small);
+    the bits never depend on it. Capturable: nothing here reads device data on the host."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dev = q.device
     qsl = query_start_loc.to(device=dev, dtype=torch.int32)
+    bound = _max_new_bound(q, qsl) if max_query_len is None else max(int(max_query_len), 1)
     return _forward(q, key_cache, value_cache, qsl, seq_lens.to(device=dev, dtype=torch.int32),
-                    block_table.to(device=dev, dtype=torch.int32), _max_new_bound(q, qsl), scale, paged=True)
+                    block_table.to(device=dev, dtype=torch.int32), bound, scale, paged=True)

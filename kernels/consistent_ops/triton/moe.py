@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..experts import ExpertStack
 from ..reference import moe as ref_moe
 from ..reference.pointwise import silu_mul as _silu_mul_torch
 from .autograd import with_torch_grad
@@ -38,14 +39,20 @@ def _opts(block_n, block_k, warps, stages):
 
 # (BM rows of one expert per program, gate_up launch options, down launch options),
 # picked by the number of (token, slot) rows; measured on the H200 (bench_triton.py
-# --only probe). Every entry walks K in ascending BLOCK_K steps of k16 MMAs: the same bits.
+# --only probe). Every entry walks K in ascending BLOCK_K steps of k16 MMAs: the same bits
+# (tests/gpu check every entry and the switch point).
 _TILES = (128, _opts(128, 64, 8, 4), _opts(256, 64, 8, 3))    # fastest or within 3% at T 1024..8192
+_DECODE = (16, _opts(128, 128, 4, 3), _opts(128, 128, 4, 3))  # decode: a few rows per expert
+_DECODE_ROWS = 2048                                           # up to 256 tokens x top-8
 _INTERP = (128, _opts(128, 64, 8, 3), _opts(128, 64, 8, 3))   # CPU interpreter; also the fallback widths
 
 
 def _moe_config(rows):
-    """One tile set for every batch size (no switch point), rows = T * top_k."""
-    return _INTERP if _INTERPRET else _TILES
+    """Tile set by rows = T * top_k: at decode sizes an expert holds a few rows, and a
+    16-row tile streams its weights without 128-row MMAs of padding."""
+    if _INTERPRET:
+        return _INTERP
+    return _DECODE if rows <= _DECODE_ROWS else _TILES
 
 
 _SOFTMAX_WARPS = 4
@@ -123,6 +130,46 @@ def _down_kernel(Hin, Order, TileE, TileRow0, TileRowEnd, Wd, RouteW, Out, K, NL
     tl.store(Out + slot[:, None] * stride_o + n[None, :], acc * w[:, None], mask=live[:, None])
 
 
+@triton.jit
+def _route_kernel(L, Ids, W, E, stride, TOPK: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """The whole router of one token after its logits: the softmax of _softmax_kernel, the
+    top-k by descending probability with ties to the lower expert id (what a stable
+    descending sort puts first), the weights renormalised by their fp32 sum in slot order."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(L + row * stride + cols, mask=cols < E, other=float("-inf"))
+    e = tl.exp((x - tl.max(x, 0)).to(tl.float64)).to(tl.float32)
+    p = tl.where(cols < E, tl.div_rn(e, tl.sum(e, 0)), float("-inf"))
+    slots = tl.arange(0, KB)
+    ids = tl.zeros([KB], tl.int32)
+    w = tl.zeros([KB], tl.float32)
+    total = 0.0                                   # 0 + w0 = w0 exactly: the slot-order sum
+    for j in tl.static_range(TOPK):
+        best = tl.max(p, 0)
+        pick = tl.minimum(tl.min(tl.where(p == best, cols, BLOCK), 0), E - 1)   # a NaN row still names an expert
+        wj = tl.sum(tl.where(cols == pick, p, 0.0), 0)                          # p[pick], exactly
+        ids = tl.where(slots == j, pick, ids)
+        w = tl.where(slots == j, wj, w)
+        total = total + wj
+        p = tl.where(cols == pick, float("-inf"), p)
+    if NORM:
+        w = tl.div_rn(w, total)
+    tl.store(Ids + row * TOPK + slots, ids.to(tl.int64), mask=slots < TOPK)
+    tl.store(W + row * TOPK + slots, w, mask=slots < TOPK)
+
+
+def _route_fused(logits, top_k, norm_topk_prob):
+    t, e = logits.shape
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, KB=triton.next_power_of_2(top_k),
+                            NORM=bool(norm_topk_prob), BLOCK=triton.next_power_of_2(e), num_warps=_SOFTMAX_WARPS,
+                            **EXACT)
+    return ids, weights
+
+
 def _softmax_rows(logits):
     p = torch.empty_like(logits)
     _softmax_kernel[(logits.shape[0],)](logits, p, logits.shape[1], logits.stride(0),
@@ -139,6 +186,8 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
     """Router: fp32 logits (invariant linear), fp32 softmax, top-k with ties to the
     lower expert id (stable sort: exact, no arithmetic). Returns (ids int64, weights fp32)."""
     logits = linear(x, gate_weight, out_dtype=torch.float32).contiguous()
+    if not (torch.is_grad_enabled() and logits.requires_grad):   # rollout / no-grad: one kernel
+        return _route_fused(logits, top_k, norm_topk_prob)
     probs = with_torch_grad(_softmax_rows, _softmax_formula, (logits,))
     ids = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = torch.gather(probs, 1, ids)
@@ -153,26 +202,98 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
 _LUT = {}
 
 
-def _lut(local, device):
-    """Expert id -> local index (len(local) for experts that are not local), on the device."""
-    key = (tuple(local), str(device))
+def _local_index(flat, local):
+    """Expert id -> local index, len(local) for experts that are not local. A contiguous
+    range (how the model places experts) is arithmetic on the device; any other set goes
+    through a lookup table built once per set (a host copy: keep it out of graph capture)."""
+    n_local, lo = len(local), local[0]
+    if list(local) == list(range(lo, lo + n_local)):
+        inside = (flat >= lo) & (flat < lo + n_local)
+        return torch.where(inside, flat - lo, n_local)
+    key = (tuple(local), str(flat.device))
     lut = _LUT.get(key)
     if lut is None:
-        host = torch.full((max(local) + 1,), len(local), dtype=torch.int64)
-        host[list(local)] = torch.arange(len(local))
-        lut = _LUT[key] = host.to(device)
-    return lut
+        host = torch.full((max(local) + 1,), n_local, dtype=torch.int64)
+        host[list(local)] = torch.arange(n_local)
+        lut = _LUT[key] = host.to(flat.device)
+    return torch.where(flat < len(lut), lut[flat.clamp(max=len(lut) - 1)], n_local)
+
+
+@triton.jit
+def _plan_kernel(Ids, Key, Order, TileE, Row0, RowEnd, R, LO, N_TILES, NL: tl.constexpr, BM: tl.constexpr,
+                 RB: tl.constexpr, GB: tl.constexpr, TB: tl.constexpr):
+    """Program g: the rows of local expert g (g = NL: rows of experts that are not local),
+    stably in token order, and g's tiles. Every program counts all groups (a histogram over
+    the rows, RB at a time), so no program waits for another; the last one also marks the
+    idle tile slots. Rows are read twice per program: cheap next to the experts' weights."""
+    g = tl.program_id(0)
+    r = tl.arange(0, RB)
+    bins = tl.arange(0, GB)
+    counts = tl.zeros([GB], tl.int32)
+    for c0 in range(0, R, RB):
+        flat = tl.load(Ids + c0 + r, mask=c0 + r < R, other=-1)
+        key = tl.where((flat >= LO) & (flat < LO + NL), flat - LO, NL)
+        key = tl.where(c0 + r < R, key, NL + 1).to(tl.int32)          # past R: a bin no group reads
+        counts += tl.histogram(key, GB)
+        if g == 0:
+            tl.store(Key + c0 + r, key.to(tl.int64), mask=c0 + r < R)
+    tiles = (counts + BM - 1) // BM
+    start = tl.sum(tl.where(bins < g, counts, 0), 0)
+    tile0 = tl.sum(tl.where(bins < g, tiles, 0), 0)
+    c = tl.sum(tl.where(bins == g, counts, 0), 0)
+    done = start
+    for c0 in range(0, R, RB):                                         # g's rows in token order
+        flat = tl.load(Ids + c0 + r, mask=c0 + r < R, other=-1)
+        key = tl.where((flat >= LO) & (flat < LO + NL), flat - LO, NL)
+        mine = (key == g) & (c0 + r < R)
+        tl.store(Order + done + tl.cumsum(mine.to(tl.int32), 0) - 1, c0 + r, mask=mine)
+        done += tl.sum(mine.to(tl.int32), 0)
+    for i0 in range(0, (c + BM - 1) // BM, TB):
+        i = i0 + tl.arange(0, TB)
+        live = i < (c + BM - 1) // BM
+        tl.store(TileE + tile0 + i, tl.zeros([TB], tl.int32) + g, mask=live)
+        tl.store(Row0 + tile0 + i, start + i * BM, mask=live)
+        tl.store(RowEnd + tile0 + i, tl.zeros([TB], tl.int32) + start + c, mask=live)
+    if g == NL:                                                        # idle slots: no expert, no rows
+        first = tl.sum(tl.where(bins <= NL, tiles, 0), 0)
+        for t0 in range(0, N_TILES, TB):
+            j = t0 + tl.arange(0, TB)
+            idle = (j >= first) & (j < N_TILES)
+            tl.store(TileE + j, tl.full([TB], -1, tl.int32), mask=idle)
+            tl.store(Row0 + j, tl.zeros([TB], tl.int32), mask=idle)
+            tl.store(RowEnd + j, tl.zeros([TB], tl.int32), mask=idle)
+
+
+_PLAN_RB, _PLAN_TB = 4096, 256     # rows per pass; tile slots per store
+_FUSED_PLAN = True                 # False: the torch plan below (tests compare the two)
+
+
+def _plan_fused(flat, lo, n_local, bm):
+    """The plan of _plan for a contiguous local expert range, in one launch."""
+    rows = flat.numel()
+    n_tiles = (rows + bm - 1) // bm + n_local + 1
+    dev, i32 = flat.device, torch.int32
+    key = torch.empty(rows, dtype=torch.int64, device=dev)
+    plan = dict(order=torch.empty(rows, dtype=i32, device=dev), tile_e=torch.empty(n_tiles, dtype=i32, device=dev),
+                row0=torch.empty(n_tiles, dtype=i32, device=dev), row_end=torch.empty(n_tiles, dtype=i32, device=dev))
+    _plan_kernel[(n_local + 1,)](flat, key, plan["order"], plan["tile_e"], plan["row0"], plan["row_end"], rows, lo,
+                                 n_tiles, NL=n_local, BM=bm, RB=min(_PLAN_RB, triton.next_power_of_2(rows)),
+                                 GB=triton.next_power_of_2(n_local + 2), TB=_PLAN_TB, num_warps=4)
+    return plan, key, n_tiles
 
 
 def _plan(ids, local, n_local, bm):
     """Group the (token, slot) pairs by local expert (group n_local: not local, sorted
     last): sort order, per-expert counts, and the tile table (expert, first row, row end;
-    expert n_local = zero tile, -1 = idle) for a grid of an upper-bound size."""
-    lut = _lut(local, ids.device)
+    expert n_local = zero tile, -1 = idle) for a grid of an upper-bound size. Built on the
+    device with shapes known from ids alone: no sync, so it captures in a CUDA graph."""
     flat = ids.reshape(-1)
-    key = torch.where(flat < len(lut), lut[flat.clamp(max=len(lut) - 1)], n_local)
+    if _FUSED_PLAN and list(local) == list(range(local[0], local[0] + n_local)):   # how the model places experts
+        return _plan_fused(flat.contiguous(), local[0], n_local, bm)
+    key = _local_index(flat, local)
     order = torch.argsort(key, stable=True)            # expert-major, token order inside
-    counts = torch.bincount(key, minlength=n_local + 1)[:n_local + 1]
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))                   # bincount without its size sync
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
@@ -183,7 +304,7 @@ def _plan(ids, local, n_local, bm):
     row0 = starts[ec] + (t - (tile_end[ec] - tiles[ec])) * bm
     plan = dict(order=order.to(torch.int32), tile_e=torch.where(e <= n_local, e, -1).to(torch.int32),
                 row0=row0.to(torch.int32), row_end=(starts[ec] + counts[ec]).to(torch.int32))
-    return plan, key, counts[:n_local], n_tiles
+    return plan, key, n_tiles
 
 
 def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
@@ -201,7 +322,7 @@ def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
     if not t:
         return (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
                 torch.zeros((0, k), dtype=torch.bool, device=x.device))
-    plan, key, _, n_tiles = _plan(ids, local, n_local, bm)
+    plan, key, n_tiles = _plan(ids, local, n_local, bm)
     x = x.contiguous()
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     contrib = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)   # every slot stored
@@ -219,7 +340,8 @@ def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
 def _grouped_formula(x, weights, wg, wu, wd, *, ids, local):
     """Differentiable equivalent for the backward: torch._grouped_mm over the same groups."""
     t, k = ids.shape
-    plan, key, counts, _ = _plan(ids, local, wg.shape[0], _moe_config(t * k)[0])
+    plan, key, _ = _plan(ids, local, wg.shape[0], _moe_config(t * k)[0])
+    counts = torch.bincount(key, minlength=wg.shape[0] + 1)[:wg.shape[0]]     # backward: a sync is fine
     sel = plan["order"].long()[: int(counts.sum())]
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = x[sel // k]
@@ -291,9 +413,12 @@ def _stacked(flat, n):
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32 (zeros for slots whose expert is not local) and owned [T, k].
-    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]). The experts are stacked
-    for the grouped kernels (cached while the tensors are unchanged, see the module doc)."""
+    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]). An ExpertStack is read as it
+    is (the rollout); other experts are stacked for the grouped kernels (cached while the
+    tensors are unchanged, see the module doc)."""
     local = list(range(len(experts))) if local_experts is None else sorted(int(e) for e in local_experts)
+    if isinstance(experts, ExpertStack) and experts.local == local:   # the stacks as they are
+        return grouped_expert_contributions(x, ids, weights, experts.gate, experts.up, experts.down, local)
     g, u, d = zip(*map(experts.__getitem__, local))
     flat = g + u + d
     if torch.is_grad_enabled() and any(map(operator.attrgetter("requires_grad"), flat)):
@@ -303,6 +428,29 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     return grouped_expert_contributions(x, ids, weights, wg, wu, wd, local)
 
 
+@triton.jit
+def _combine_kernel(C, Out, H, stride_t, stride_k, stride_o, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """Slots 0..k-1 added in order in fp32 (as the reference's elementwise adds), rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = h < H
+    acc = tl.load(C + t * stride_t + h, mask=live)
+    for j in tl.static_range(1, TOPK):
+        acc = acc + tl.load(C + t * stride_t + j * stride_k + h, mask=live)
+    tl.store(Out + t * stride_o + h, acc.to(Out.dtype.element_ty), mask=live)
+
+
+def _combine(contrib, out_dtype):
+    t, k, h = contrib.shape
+    c = contrib if contrib.stride(-1) == 1 else contrib.contiguous()
+    out = torch.empty((t, h), dtype=out_dtype, device=contrib.device)
+    if t:
+        _combine_kernel[(t, triton.cdiv(h, 1024))](c, out, h, c.stride(0), c.stride(1), out.stride(0),
+                                                  TOPK=k, BLOCK=1024, num_warps=4, **EXACT)
+    return out
+
+
 def moe_combine(contrib, out_dtype):
-    """Slot order 0..k-1, fp32 elementwise adds (no reduction kernel), one rounding."""
-    return ref_moe.moe_combine(contrib, out_dtype)
+    """Slot order 0..k-1, fp32 elementwise adds, one rounding (one kernel; the reference's
+    torch adds, which give the same bits, supply the gradient)."""
+    return with_torch_grad(_combine, ref_moe.moe_combine, (contrib,), out_dtype=out_dtype)

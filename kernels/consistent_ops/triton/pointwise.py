@@ -5,11 +5,10 @@ element (vectorised loads change memory access, not arithmetic; there is no sepa
 scalar tail path as on CPU), so a token's bits never depend on the batch. The
 contract's fp64 transcendentals (exp in silu, cos/sin in RoPE) are kept as written.
 Row-parallel partial sums are combined by elementwise adds in rank order (no
-reduction kernel), and the KV cache write is an index copy (exact).
+reduction kernel). Each of these captures in a CUDA graph (no host syncs).
 """
-from ..reference.attention import write_kv_cache
 from ..reference.linear import finish_row_parallel, ordered_sum
-from ..reference.pointwise import apply_rope, embedding, rope_cos_sin, silu_mul
+from ..reference.pointwise import embedding, rope_cos_sin, silu_mul
 
-__all__ = ["apply_rope", "embedding", "finish_row_parallel", "ordered_sum", "rope_cos_sin",
-           "silu_mul", "write_kv_cache"]
+__all__ = ["embedding", "finish_row_parallel", "ordered_sum", "rope_cos_sin",
+           "silu_mul"]

@@ -78,6 +78,13 @@ class CausalLM(CausalLMMixin, nn.Module):
         super().__init__()
         build_causal_lm(self, cfg, tp)
 
+    def stack_experts(self):
+        """Rollout layout: each MoE layer's experts in stacked tensors (qwen3.SparseMoeBlock)."""
+        for layer in self.model.layers:
+            if hasattr(layer.mlp, "stack_experts"):
+                layer.mlp.stack_experts()
+        return self
+
 
 def packed_layout(position_ids):
     """cu_seqlens [S+1] from packed position ids that restart at 0 for each sequence."""

@@ -94,10 +94,38 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.dtype)
                                       for e in local})
         self.top_k, self.norm_topk_prob, self.tp = cfg.top_k, cfg.norm_topk_prob, tp
+        self._stack = None
+
+    _PROJ = ("gate_proj", "up_proj", "down_proj")
+
+    def stack_experts(self):
+        """Keep the experts' weights in three stacked tensors, each expert's parameters
+        becoming views of them (names, loading and bits unchanged): the rollout's grouped
+        kernels then read the stacks in place (consistent_ops.ExpertStack)."""
+        mods = [self.experts[str(e)] for e in sorted(map(int, self.experts))]
+        stacks = []
+        for proj in self._PROJ:
+            stack = torch.stack([getattr(m, proj).weight.detach() for m in mods])
+            for m, view in zip(mods, stack):
+                getattr(m, proj).weight = nn.Parameter(view, requires_grad=getattr(m, proj).weight.requires_grad)
+            stacks.append(stack)
+        self._stack = co.ExpertStack(*stacks, sorted(map(int, self.experts)))
+
+    def _experts(self, dtype):
+        """The stacks while the parameters are still their views (FSDP or ``.to()`` would
+        replace them) and no gradient is wanted (a stack carries none), else each expert's
+        weights."""
+        first = self.experts[str(self._stack.local[0])] if self._stack is not None else None
+        if (first is not None and self._stack.gate.dtype == dtype
+                and not (torch.is_grad_enabled() and first.gate_proj.weight.requires_grad)
+                and all(getattr(first, p).weight.data_ptr() == s.data_ptr()
+                        for p, s in zip(self._PROJ, (self._stack.gate, self._stack.up, self._stack.down)))):
+            return self._stack
+        return {int(e): m.weights(dtype) for e, m in self.experts.items()}
 
     def forward(self, x):
         ids, w = co.moe_route(x, self.gate.weight.to(x.dtype), self.top_k, self.norm_topk_prob)
-        experts = {int(e): m.weights(x.dtype) for e, m in self.experts.items()}
+        experts = self._experts(x.dtype)
         contrib, owned = co.moe_expert_contributions(x, ids, w, experts, sorted(experts))
         if self.tp.sharded:
             contrib = parallel.gather_owned(contrib, owned, self.tp.group)

@@ -29,8 +29,8 @@ from typing import ClassVar
 import torch
 
 import consistent_ops as co
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder,
-                                       AttentionType, CommonAttentionMetadata)
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                       AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata)
 try:
     from vllm.v1.kv_cache_interface import KVCacheLayout
 except ImportError:          # vLLM < 0.31 sizes caches with get_kv_cache_shape instead
@@ -82,6 +82,7 @@ class AttentionGroup:
     query_start_loc: torch.Tensor   # [reqs + 1], relative to ``rows``
     seq_lens: torch.Tensor          # [reqs], this step's tokens included
     block_table: torch.Tensor       # [reqs, max_pages], kernel-block units
+    max_query_len: int              # launch bound: most new tokens of any of these requests
 
 
 @dataclass
@@ -106,6 +107,14 @@ def group_requests(query_lens: list[int]) -> list[list[int]]:
 
 
 class ConsistentAttentionMetadataBuilder(AttentionMetadataBuilder[ConsistentAttentionMetadata]):
+    # FULL CUDA graphs for uniform batches (decode, and spec-decode verification): one
+    # attention_paged call over views of vLLM's persistent metadata buffers, padding requests
+    # (no tokens) included as exact no-ops, a grid sized by max_query_len, nothing read back
+    # on the host in the forward. Mixed batches are bucketed per step (index tensors built
+    # here), so they run outside full graphs. tests/gpu/test_triton_graphs.py replays decode
+    # graphs as vLLM's runner does and checks the bits against eager and the trainer.
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
@@ -115,8 +124,9 @@ class ConsistentAttentionMetadataBuilder(AttentionMetadataBuilder[ConsistentAtte
         qsl = m.query_start_loc_cpu[:n + 1].tolist()
         lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
         groups = group_requests(lens)
-        if len(groups) == 1 and len(groups[0]) == n:
-            whole = AttentionGroup(None, m.query_start_loc[:n + 1], m.seq_lens[:n], m.block_table_tensor[:n])
+        if len(groups) <= 1:        # one bucket (padding requests ride along): the whole batch
+            whole = AttentionGroup(None, m.query_start_loc[:n + 1], m.seq_lens[:n], m.block_table_tensor[:n],
+                                   max(lens, default=1))
             return ConsistentAttentionMetadata(qsl[-1], [whole])
         return ConsistentAttentionMetadata(qsl[-1], [self._group(m, qsl, lens, idx) for idx in groups])
 
@@ -125,7 +135,7 @@ class ConsistentAttentionMetadataBuilder(AttentionMetadataBuilder[ConsistentAtte
         rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in idx]).to(m.query_start_loc.device)
         sub = torch.tensor([0] + [lens[i] for i in idx]).cumsum(0).to(m.query_start_loc)
         sel = torch.tensor(idx, device=m.seq_lens.device)
-        return AttentionGroup(rows, sub, m.seq_lens[sel], m.block_table_tensor[sel])
+        return AttentionGroup(rows, sub, m.seq_lens[sel], m.block_table_tensor[sel], max(lens[i] for i in idx))
 
 
 def split_kv_cache(kv_cache: torch.Tensor):
@@ -171,7 +181,8 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
         k_cache, v_cache = split_kv_cache(kv_cache)
         for g in attn_metadata.groups:
             q = query[:n] if g.rows is None else query[g.rows]
-            out = co.attention_paged(q, k_cache, v_cache, g.block_table, g.seq_lens, g.query_start_loc)
+            out = co.attention_paged(q, k_cache, v_cache, g.block_table, g.seq_lens, g.query_start_loc,
+                                     max_query_len=g.max_query_len)
             if g.rows is None:
                 output[:n] = out
             else:

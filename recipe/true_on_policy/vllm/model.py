@@ -10,7 +10,11 @@ trainer's. What this class adds is only what vLLM needs:
     passed to the shared layers as the ``attend`` callable;
   * plain ``nn.Parameter``s and our own matmuls: no ``quant_method``, so vLLM's CPU
     repacking (which empties ``layer.weight``) never touches them, and verl's
-    in-place ``load_weights`` of full HF tensors keeps working after start-up.
+    in-place ``load_weights`` of full HF tensors keeps working after start-up;
+  * the experts of each MoE layer in stacked tensors (the per-expert parameters are
+    views of them: same names, same loading, same bits);
+  * CUDA graphs: the forward holds no host sync (the attention backend declares which
+    batches capture), so vLLM's padded capture sizes replay it.
 """
 import logging
 
@@ -48,6 +52,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         cfg, tp = model_config_from_vllm(vllm_config), tensor_parallel_from_vllm()
         super().__init__(cfg, tp)
+        self.stack_experts()   # as vLLM's fused MoE keeps them: grouped kernels read them in place
         for i, layer in enumerate(self.model.layers):
             # Name = the HF-style path, so vLLM finds exactly one layer index in it.
             layer.self_attn.attn = Attention(

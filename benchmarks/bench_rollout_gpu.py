@@ -1,0 +1,225 @@
+"""Rollout speed on one GPU at the full Qwen3-30B-A3B shape (48 layers, 128 experts top-8,
+vocab 151,936, random weights), Triton backend, as a vLLM runner would drive it.
+
+  1. trainer == rollout, bitwise, at full depth: packed trainer forward vs chunked prefill
+     plus CUDA-graph decode (tests/gpu/harness.py GraphRunner);
+  2. decode step time as graph replays for B in {1, 64, 256} at context 1k and {1, 64} at 8k,
+     each as % of its HBM roofline: bytes of the weights the step touches (the experts its
+     routing selects, measured) plus the KV it reads, over the copy bandwidth of this run;
+  3. prefill tokens/s for 16k tokens in chunks of 2k and 8k (last-token logits, as vLLM),
+     against stock transformers Qwen3-MoE (sdpa) forward of the same shape, both at
+     PREFILL_LAYERS layers (two 48-layer models do not fit one GPU beside a KV cache).
+
+    PYTHONPATH=kernels:recipe:tests/gpu python benchmarks/bench_rollout_gpu.py [--json FILE] [--layers N]
+"""
+import argparse
+import datetime
+import json
+import time
+
+import torch
+
+import consistent_ops as co
+from harness import QWEN3_30B_A3B as SHAPE, GraphRunner, ModelRunner, PagedKV, build_hf_model, build_model
+
+DEV, BF16 = "cuda", torch.bfloat16
+PAGE, PREFILL_LAYERS = 16, 8
+DECODE_CASES = ((1, 1024), (64, 1024), (256, 1024), (1, 8192), (64, 8192))
+GOALS = {(64, 1024): 50, (256, 1024): 50, (64, 8192): 60}
+ROWS, META = [], {}
+
+
+def record(section, case, ms, metric="", goal=""):
+    ROWS.append(dict(section=section, case=case, ms=round(ms, 3), metric=metric, goal=goal))
+    print(f"{section:8s} {case:40s} {ms:9.3f} ms  {metric}  {goal}", flush=True)
+
+
+def copy_bandwidth():
+    a = torch.empty(1 << 30, dtype=BF16, device=DEV).normal_()
+    b = torch.empty_like(a)
+    ms = _median_ms(lambda: b.copy_(a), 20)
+    del a, b
+    return 2 * (1 << 30) * 2 / ms / 1e9         # TB/s, read + write
+
+
+def _median_ms(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[len(times) // 2]
+
+
+def check_full_depth(model):
+    """Packed trainer forward == chunked prefill + graph decode, every logit row."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+    lens, decode = [700, 333], 24
+    toks = [torch.randint(0, 151643, (n,), generator=g, device=DEV) for n in lens]
+    with torch.no_grad():
+        train = model.forward_packed(torch.cat(toks), torch.cat([torch.arange(n, device=DEV) for n in lens]))
+    train = train.split(lens)
+    runner = ModelRunner(model, pages=256, page_size=PAGE)
+    got = [[] for _ in lens]
+    for lo in range(0, max(lens) - decode, 256):       # chunked prefill, both sequences per step
+        batch = [(s, t[lo:min(lo + 256, n - decode)]) for s, (t, n) in enumerate(zip(toks, lens)) if lo < n - decode]
+        for (s, t), part in zip(batch, runner.step(batch).split([len(t) for _, t in batch])):
+            got[s].append(part)
+    graphs = GraphRunner(runner, sizes=(2,), max_pages=64)
+    for i in range(decode):
+        out = graphs.step([(s, t[n - decode + i:n - decode + i + 1]) for s, (t, n) in enumerate(zip(toks, lens))])
+        for s in range(len(lens)):
+            got[s].append(out[s:s + 1])
+    same = all(torch.equal(torch.cat(rows), t) for rows, t in zip(got, train))
+    record("check", f"48-layer train == prefill+graph decode ({sum(lens)} tok)", 0.0, "bitwise EQUAL" if same else "DIFFER")
+    del graphs, runner, train
+    torch.cuda.empty_cache()
+    return same
+
+
+def touched_bytes(model, runner, batch):
+    """Bytes one eager decode step must read: every weight but the experts, the experts
+    its routing selects (recorded), and the KV of every sequence."""
+    seen = []
+    route = co.moe_route
+
+    def recording_route(*args, **kw):
+        ids, w = route(*args, **kw)
+        seen.append(int(torch.unique(ids).numel()))
+        return ids, w
+    co.moe_route = recording_route
+    try:
+        runner.step(batch)
+    finally:
+        co.moe_route = route
+    cfg, elt = model.cfg, 2
+    expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * elt
+    dense = sum(p.numel() * elt for n, p in model.named_parameters() if ".experts." not in n and "embed" not in n)
+    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elt
+    ctx = sum(runner.kv.lens[s] for s, _ in batch)
+    return dense + expert * sum(seen) + kv_tok * ctx, sum(seen) / len(seen)
+
+
+def decode_cases(model, bw):
+    pages = max(b * (c + PAGE) for b, c in DECODE_CASES) // PAGE + 64
+    runner = ModelRunner(model, pages=1, page_size=PAGE)
+    cfg = model.cfg
+    shape = (pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
+    runner.kv.k = [torch.empty(shape, dtype=BF16, device=DEV).normal_() for _ in range(cfg.num_layers)]
+    runner.kv.v = [torch.empty(shape, dtype=BF16, device=DEV).normal_() for _ in range(cfg.num_layers)]
+    g = torch.Generator(device=DEV).manual_seed(7)
+    for b, ctx in DECODE_CASES:
+        kv = runner.kv
+        kv.free, kv.tables, kv.lens = torch.randperm(pages).tolist(), {}, {}
+        kv.plan([(s, ctx) for s in range(b)])             # context "already cached" (random K/V)
+        batch = [(s, torch.randint(0, 151643, (1,), generator=g, device=DEV)) for s in range(b)]
+        nbytes, experts = touched_bytes(model, runner, batch)
+        for s in range(b):                                 # the timed steps rewrite the same slot
+            kv.lens[s] = ctx
+        graphs = GraphRunner(runner, sizes=(b,), max_pages=(ctx + 2 * PAGE) // PAGE)
+        bufs, graph, _ = graphs.graphs[b]
+        graphs.step(batch)
+        for s in range(b):
+            kv.lens[s] = ctx
+        ms = _median_ms(graph.replay, 20)
+        roof = nbytes / (bw * 1e12) * 1e3
+        pct = 100 * roof / ms
+        goal = GOALS.get((b, ctx))
+        record("decode", f"B={b} ctx={ctx} (graph replay)", ms,
+               f"{pct:.0f}% of roofline {roof:.2f} ms ({nbytes / 1e9:.1f} GB, {experts:.0f} experts/layer)",
+               f">= {goal}%" if goal else "")
+        del graphs, bufs, graph
+        torch.cuda.empty_cache()
+    del runner
+
+
+def _prefill_ours(model, toks, chunk):
+    runner = ModelRunner(model, pages=len(toks) // PAGE + 8, page_size=PAGE)
+    with torch.no_grad():
+        for lo in range(0, len(toks), chunk):
+            step = runner.kv.plan([(0, min(chunk, len(toks) - lo))])
+            hidden = model.model(toks[lo:lo + chunk], step[1], lambda i, q, k, v: runner.kv.attend(i, q, k, v, step))
+            model.compute_logits(hidden[-1:])
+    torch.cuda.synchronize()
+
+
+def _wall_ms(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _chunk_device_ms(model, toks, chunk, ctx):
+    """One prefill chunk (ctx tokens already cached) as a graph replay: its device time,
+    to tell the host's launch cost in the eager numbers apart."""
+    runner = ModelRunner(model, pages=(ctx + chunk) // PAGE + 8, page_size=PAGE)
+    runner.kv.plan([(0, ctx)])
+    step = runner.kv.plan([(0, chunk)])
+
+    def run():
+        hidden = model.model(toks[:chunk], step[1], lambda i, q, k, v: runner.kv.attend(i, q, k, v, step))
+        return model.compute_logits(hidden[-1:])
+    with torch.no_grad():
+        eager = _median_ms(run, 5)
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return eager, _median_ms(graph.replay, 10)
+
+
+def prefill_cases(layers):
+    n = 16384
+    toks = torch.randint(0, 151643, (n,), device=DEV)
+    ours = build_model(layers=layers)
+    mine = {c: _wall_ms(lambda c=c: _prefill_ours(ours, toks, c)) for c in (2048, 8192)}
+    eager, replay = _chunk_device_ms(ours, toks, 2048, 8192)
+    record("prefill", f"{layers}-layer one 2k chunk at ctx 8k: eager", eager,
+           f"graph replay {replay:.1f} ms (device time; the rest is launch cost)")
+    del ours
+    torch.cuda.empty_cache()
+    hf = build_hf_model(layers=layers, attn="sdpa")
+    with torch.no_grad():
+        stock = _wall_ms(lambda: hf(toks[None], logits_to_keep=1))
+    del hf
+    torch.cuda.empty_cache()
+    for c, ms in mine.items():
+        record("prefill", f"{layers}-layer 16k tokens, chunks of {c}", ms,
+               f"{n / ms * 1e3:.0f} tok/s; HF sdpa one pass {stock:.1f} ms -> {stock / ms:.2f}x stock", ">= 1.0x")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--layers", type=int, default=48)
+    args = ap.parse_args()
+    co.set_backend("triton")
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    META.update(date=str(datetime.date.today()), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                contract=co.contract_fingerprint(), copy_tbs=round(bw, 3), layers=args.layers)
+    print(f"# {META}", flush=True)
+    model = build_model(layers=args.layers)
+    same = check_full_depth(model)
+    decode_cases(model, bw)
+    del model
+    torch.cuda.empty_cache()
+    prefill_cases(min(PREFILL_LAYERS, args.layers))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=META, rows=ROWS), f, indent=1)
+    raise SystemExit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()
