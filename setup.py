@@ -18,6 +18,7 @@ setup(
         "consistent_ops.triton",
         "consistent_ops.ascend",
         "true_on_policy",
+        "true_on_policy.check",
         "true_on_policy.models",
         "true_on_policy.vllm",
         "true_on_policy.verl",

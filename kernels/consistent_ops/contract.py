@@ -24,6 +24,9 @@ ASCEND_KV_BLOCK = 512
 # Truncation (top-k / top-p / min-p) sums probabilities as int64 fixed point with this
 # many fraction bits: every sum is then exact, so no summation order can reach the bits.
 TRUNCATION_FIXED_BITS = 60
+# The Triton backend's log-softmax walks the vocabulary in blocks of this many columns,
+# in order, into an accumulator of this width (triton/logprobs.py).
+TRITON_LOGPROB_BLOCK = 4096
 
 COMMON = {
     "attention": (
@@ -79,6 +82,9 @@ COMMON = {
         "while prob_r >= min_p * prob_max (fp32 multiply; relative to the max it commutes with "
         "the others). Output: the logprobs rule at T = 1 on logp with every token outside the "
         "kept set at -inf: the kept set renormalised by the contract's log-sum-exp, -inf outside"),
+    "greedy": (
+        "temperature 0 = greedy: the token is the argmax of the logprobs rule at T = 1, ties to the "
+        "LOWER token id; its reported log-prob is that T = 1 log-prob"),
 }
 
 # How each backend realises contract_dot and reductions. The reference backend
@@ -114,8 +120,9 @@ ACCUMULATION = {
         "reductions": (
             "fp32, one row per program, tree shape a function of the row length only (RMSNorm, router "
             "softmax; without autograd the router's top-k and renormalisation run in the same kernel); "
-            "log-softmax walks the vocabulary in blocks of 4096 in order into a 4096-wide fp32 "
-            "accumulator, then one tree sum; attention row max/sum stay inside one warp"),
+            f"log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
+            f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator, then one tree sum; attention row max/sum stay "
+            "inside one warp"),
         "transcendentals": (
             "exp/log in fp64 (libdevice) rounded to fp32, except the attention online softmax: fp32 exp "
             "(ex2.approx, exp(0) = 1 and exp(-inf) = 0 exactly); sqrt and division IEEE (sqrt_rn, div_rn); "
@@ -147,7 +154,7 @@ def contract_text(backend: str, realisation=None) -> str:
     package versions; None for backends whose realisation is fixed by this text)."""
     if backend not in ACCUMULATION:
         raise ValueError(f"unknown consistent_ops backend {backend!r}; choose one of {sorted(ACCUMULATION)}")
-    doc = {"version": VERSION, "kv_block": KV_BLOCK, "common": COMMON,
+    doc = {"version": VERSION, "kv_block": KV_BLOCK, "triton_logprob_block": TRITON_LOGPROB_BLOCK, "common": COMMON,
            "backend": backend, "accumulation": ACCUMULATION[backend]}
     if realisation is not None:
         doc["realisation"] = realisation

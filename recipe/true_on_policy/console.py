@@ -88,7 +88,10 @@ class Console:
                 if not line.endswith(b"\n"):
                     break  # a row still being written
                 self._offset += len(line)
-                self.records.append(json.loads(line))
+                record = json.loads(line)
+                if "timing_s/step" not in record.get("data", {}):
+                    continue  # a validation pass (e.g. val_before_train's): in the file, not a step row
+                self.records.append(record)
                 if self.rows:
                     print(self.row(self.records[-1]), flush=True)
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import truncation
+from . import scheme, truncation
 from .models import ModelConfig, TensorParallel, TrainerMixin, build_causal_lm
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,11 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         """Our own loader (HF names, per-expert tensors as on disk): transformers' MoE
         weight conversion would fuse experts into tensors this model does not have."""
         config = config or scoped_config(AutoConfig.from_pretrained(pretrained_model_name_or_path))
-        if not getattr(config, DTYPE_ATTR, None):
-            setattr(config, DTYPE_ATTR, str(ModelConfig.from_dir(pretrained_model_name_or_path).dtype))
+        if not getattr(config, DTYPE_ATTR, None):     # what the rollout computes in, any checkpoint dtype
+            setattr(config, DTYPE_ATTR, str(scheme.ROLLOUT_DTYPE))
         if getattr(config, VOCAB_ATTR, None) is None:
-            setattr(config, VOCAB_ATTR, _tokenizer_length(pretrained_model_name_or_path))
+            n = _tokenizer_length(pretrained_model_name_or_path)
+            setattr(config, VOCAB_ATTR, n and scheme.vocab_limit(n, config.vocab_size))
         model = cls(config)
         if not any(p.is_meta for p in model.parameters()):
             model.load_checkpoint(pretrained_model_name_or_path)

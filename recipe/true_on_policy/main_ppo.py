@@ -51,8 +51,8 @@ def prepare(config: DictConfig, explicit: set[str] = frozenset()) -> None:
             config.data.train_files = str(train)
             if config.data.val_files is None:
                 config.data.val_files = str(val)
-    from true_on_policy.verl.cpu_support import apply_cpu_settings, known_rollout_blocker
-    apply_cpu_settings(config, explicit)
+    from true_on_policy.verl.cpu_support import known_rollout_blocker, prepare_job
+    prepare_job(config, explicit)
     blocker = known_rollout_blocker(config)
     if blocker:
         log.warning("true_on_policy: %s", blocker)
@@ -70,7 +70,8 @@ def _check_plugin() -> None:
 
 def override_keys(overrides) -> set[str]:
     """Config keys named on the command line ("+a.b=1", "++a.b=1", "~a.b" -> "a.b")."""
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    from true_on_policy.verl.cpu_support import command_line_keys
+    return command_line_keys(overrides)
 
 
 # ----------------------------------------------------------------------------- main

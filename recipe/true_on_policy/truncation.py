@@ -12,6 +12,8 @@ OFF = (0, 1.0, 0.0)
 NAMES = ("top_k", "top_p", "min_p")
 # HF config attributes of the trainer's model (set through verl's model.override_config)
 CONFIG_ATTRS = tuple(f"true_on_policy_{n}" for n in NAMES)
+# vLLM request extra_args keys that carry them to the rollout's log-prob processor
+EXTRA_ARGS_KEYS = {n: f"true_on_policy_{n}" for n in NAMES}
 
 
 def problems(top_k=None, top_p=None, min_p=None) -> list:
@@ -31,3 +33,13 @@ def normalise(top_k=None, top_p=None, min_p=None):
     cut = (max(int(top_k if top_k is not None else 0), 0), float(1.0 if top_p is None else top_p),
            float(min_p or 0.0))
     return cut if co.truncation_active(*cut) else None
+
+
+def extra_args(kwargs: dict) -> dict:
+    """Pops top_k / top_p / min_p from request ``kwargs``; their extra_args entries (none when
+    every setting is off; invalid values are passed on for the admission check to name)."""
+    values = [kwargs.pop(name, None) for name in NAMES]
+    if problems(*values):
+        return {k: v for k, v in zip(EXTRA_ARGS_KEYS.values(), values) if v is not None}
+    cut = normalise(*values)
+    return {} if cut is None else dict(zip(EXTRA_ARGS_KEYS.values(), cut))

@@ -286,16 +286,15 @@ void inv_sqrt32(int64_t n, const float *x, float *out) {
  * Contractions use block_rows / block_cols (the lane order of dot64); fp32 steps are
  * separate IEEE operations. Reading K and V of a block together keeps the one pass over
  * the cache (a paged KV cache is read in place: no gather).
- * dims = {S, H, R, D, L}: R query rows per (s, h), keys 0 .. L-1 (L a multiple of KVB).
+ * dims = {S, H, R, D, L, KVB}: R query rows per (s, h), keys 0 .. L-1 (L a multiple of KVB);
+ * KVB = contract.KV_BLOCK, passed by native.py so the contract's constant is the only one.
  * Q element (s, h, r, d) at Q + s*qs[0] + h*qs[1] + r*qs[2] + d; K/V element (s, h, pos, d)
  * at base + tok[s*L + pos] + h*kvs[0] + d*kvs[1]; qpos [S*R] (row r of s: its position,
  * < seq_len[s]); V at pos >= seq_len[s] reads as 0. out [S, H, R, D] fp32. 0 or -1 (memory). */
-enum { KVB = 64 };
-
 int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
              int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
              float scale, float *out) {
-    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4];
+    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
     const int64_t dp = (D + 3) & ~(int64_t)3, eq = ELEM[tq], ekv = ELEM[tkv];
     const size_t need = (size_t)(R * dp + KVB * dp + KVB * dp + R * KVB + 4) * 2 + (size_t)(R * (dp + 2)) + 8;
     double *buf = scratch(need);

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..contract import KV_BLOCK
+
 SOURCE = Path(__file__).with_name("dot64.c")
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
 LIBS = ["-lm"]
@@ -142,7 +144,7 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale):
         raise TypeError(f"attend: K/V dtypes {k.dtype}/{v.dtype}; use one of {list(DTYPES)}")
     out = torch.empty(S, H, R, D, dtype=torch.float32)
     if out.numel():
-        rc = library().attend64(_int64s([S, H, R, D, L]), qh.data_ptr(), DTYPES[qh.dtype],
+        rc = library().attend64(_int64s([S, H, R, D, L, KV_BLOCK]), qh.data_ptr(), DTYPES[qh.dtype],
                                 _int64s(list(qh.stride()[:3])), k.data_ptr(), v.data_ptr(), DTYPES[k.dtype],
                                 token.data_ptr(), _int64s([head_stride, dim_stride]), qpos.data_ptr(),
                                 seq_lens.data_ptr(), scale, out.data_ptr())

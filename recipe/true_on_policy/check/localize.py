@@ -2,7 +2,7 @@
 
 Both engines recompute the same token sequence (the first mismatching sequence, up
 to and including the first mismatching position) with per-op capture hooks
-(check_capture.py). The rollout replays it as a fresh prefill inside the running
+(capture.py). The rollout replays it as a fresh prefill inside the running
 vLLM engine; the trainer runs its packed forward. Ops are compared in forward
 order, bitwise, on the positions both captured; the first op that differs is where
 the numerics part ways (everything upstream of it is bit-identical).
@@ -11,7 +11,8 @@ import json
 
 import torch
 
-from true_on_policy.check_capture import HEAD_SHARDED
+from true_on_policy import scheme
+from true_on_policy.check.capture import HEAD_SHARDED
 
 
 def merge_ranks(per_rank):
@@ -73,7 +74,7 @@ def format_report(report, context=3):
 
 def localize_mismatch(args, rollout, result, stats, workdir, vocab_limit):
     """Replay the first mismatching sequence in both engines with capture on; report."""
-    from true_on_policy import check_trainer
+    from true_on_policy.check import trainer as check_trainer
     m = stats["first_mismatch"]
     phase = result["phases"][m["phase"]]
     seq = phase["sequences"][m["sequence"]]
@@ -85,7 +86,7 @@ def localize_mismatch(args, rollout, result, stats, workdir, vocab_limit):
     rollout.send({"cmd": "capture", "tokens": tokens, "path": str(workdir / "capture")})
     paths = json.loads(rollout.wait_for("@@captured"))
     ours = merge_ranks([torch.load(p) for p in sorted(paths)])
-    dtype = None if args.stock else check_trainer.compute_dtype(result["phases"][0]["weights"])
+    dtype = None if args.stock else scheme.ROLLOUT_DTYPE
     theirs = check_trainer.capture(phase["weights"], tokens, args.tp, args.stock, dtype)
     report = compare(ours, theirs)
     report["replay"] = _replay_check(ours, tokens, seq["output"][m["token"]], m, args, vocab_limit)
@@ -105,12 +106,12 @@ def _replay_check(capture, tokens, target, m, args, vocab_limit):
     if len(hit) == 0:
         return "replay: last position not captured"
     logits = rows[hit[:1]].float()
+    t = scheme.logprob_temperature(args.temperature)
     if args.stock:
-        lp = float(torch.log_softmax(logits / args.temperature, -1)[0, target])
+        lp = float(torch.log_softmax(logits / t, -1)[0, target])
     else:
-        from true_on_policy.check import truncation
-        lp = float(co.token_logprobs(logits, torch.tensor([target]), args.temperature, vocab_limit,
-                                     truncation(args))[0])
+        from .cli import truncation
+        lp = float(co.token_logprobs(logits, torch.tensor([target]), t, vocab_limit, truncation(args))[0])
     same = lp == m["rollout"]
     return (f"replay {'reproduces' if same else 'does NOT reproduce'} the rollout's log-prob "
             f"({lp!r} vs {m['rollout']!r})" + ("" if same else ": the rollout value depended on "

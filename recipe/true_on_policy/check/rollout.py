@@ -1,6 +1,6 @@
 """Rollout side of ``true_on_policy.check``: the only part that imports vLLM.
 
-Run by check.py as ``python -m true_on_policy.check_rollout PLAN`` in its own
+Run by cli.py as ``python -m true_on_policy.check.rollout PLAN`` in its own
 process (with TRUE_ON_POLICY=1 unless --stock). It generates, saves the tokens and
 the log-probs vLLM reported, prints ``@@done PATH`` and then serves commands from
 stdin (one JSON per line) so that --localize can reuse the running engine:
@@ -8,6 +8,7 @@ stdin (one JSON per line) so that --localize can reuse the running engine:
 """
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,9 @@ import torch
 
 # Functions sent to the workers live in an importable module: vLLM pickles them by
 # reference, and this file runs as __main__.
-from true_on_policy import check_worker as worker
+from true_on_policy import scheme
+from true_on_policy.check import worker
+from true_on_policy.check.perturb import PERTURB_ENV
 
 
 def say(msg):
@@ -34,6 +37,8 @@ def build_llm(plan):
         kv_cache_memory_bytes=plan["kv_cache_bytes"], disable_log_stats=False)
     if plan["stock"]:
         kwargs["logprobs_mode"] = "processed_logprobs"   # log_softmax(logits / T), verl's default
+    else:
+        kwargs["dtype"] = str(scheme.ROLLOUT_DTYPE).removeprefix("torch.")   # what the trainer recomputes in
     return LLM(**kwargs)
 
 
@@ -79,6 +84,8 @@ def main(plan_path):
     t0 = time.time()
     say(f"starting vLLM ({'stock' if plan['stock'] else 'plugin'}, tp={plan['tp']})")
     llm = build_llm(plan)
+    if os.environ.get(PERTURB_ENV):          # test-only: --localize must name this op
+        llm.apply_model(functools.partial(worker.perturb, os.environ[PERTURB_ENV]))
     say(f"engine up in {time.time() - t0:.1f}s; generating {len(plan['prompts'])} x {plan['max_tokens']} tokens")
     t1 = time.time()
     phases = [{"weights": plan["model"], "sequences": generate(llm, plan, plan["prompts"])}]
