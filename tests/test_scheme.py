@@ -37,8 +37,11 @@ def test_scheme_imports_neither_host():
 def test_sampling_problems_name_the_setting_and_the_fix():
     assert scheme.sampling_problems({}) == []
     assert scheme.sampling_problems({"temperature": 0, "top_k": -1, "top_p": 1, "min_p": 0.0}) == []
-    (msg,) = scheme.sampling_problems({"top_k": 1}, prefix="actor_rollout_ref.rollout.")
-    assert msg.startswith("actor_rollout_ref.rollout.top_k=1 changes") and "default" in msg
+    assert scheme.sampling_problems({"top_k": 1, "top_p": 0.9, "min_p": 0.05}) == []   # the contract applies them
+    (msg,) = scheme.sampling_problems({"top_p": 1.5}, prefix="actor_rollout_ref.rollout.")
+    assert msg == "actor_rollout_ref.rollout.top_p=1.5 must be in (0, 1] (1: off)"
+    (msg,) = scheme.sampling_problems({"repetition_penalty": 1.2}, prefix="actor_rollout_ref.rollout.")
+    assert msg.startswith("actor_rollout_ref.rollout.repetition_penalty=1.2 changes") and "default" in msg
     assert "temperature=-0.5 must be a finite number >= 0" in scheme.sampling_problems({"temperature": -0.5})[0]
     assert scheme.sampling_problems({"temperature": float("inf")})
 

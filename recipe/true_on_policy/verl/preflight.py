@@ -41,6 +41,7 @@ def _rollout_rules(cfg):
     if _get(cfg, ro + "temperature", 1.0) == 0:
         yield (f"{ro}temperature=0: training rollouts must sample (the trainer divides its logits by this "
                f"temperature); set it > 0 (greedy belongs in {ro}val_kwargs)")
+    yield from _truncation_rules(cfg, ro)
 
 
 def _sampling_settings(section) -> dict:
