@@ -8,11 +8,21 @@ import consistent_ops as co
 from consistent_ops import contract
 
 
-def test_fingerprint_per_backend():
+def test_fingerprint_per_backend(monkeypatch):
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, "fp64")
     assert co.contract_fingerprint() == contract.fingerprint("reference")
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, "fp32")          # a realisation: its own id
+    assert co.contract_fingerprint() == contract.fingerprint("reference", contract.CPU_ACCUMULATION["fp32"])
+    assert co.contract_fingerprint() != contract.fingerprint("reference")
     assert contract.fingerprint("reference") != contract.fingerprint("triton")
     with pytest.raises(ValueError, match="unknown consistent_ops backend 'cuda'"):
         contract.fingerprint("cuda")
+
+
+def test_bad_cpu_accumulation_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, "fp16")
+    with pytest.raises(ValueError, match="CONSISTENT_OPS_CPU_ACCUMULATION='fp16' is not a CPU accumulation; use"):
+        co.contract_fingerprint()
 
 
 def test_bad_backend_name_is_a_clear_error():

@@ -148,6 +148,33 @@ ACCUMULATION = {
 }
 
 
+# How the reference backend sums on CPU tensors: one of these realisations per process, chosen
+# by $CONSISTENT_OPS_CPU_ACCUMULATION (reference/native.py accumulation()). "fp64" is the
+# ACCUMULATION["reference"] text as written (no realisation entry: its fingerprint is the one
+# it always was); "fp32" is the realisation entry of the fingerprint, replacing the CPU parts
+# of that text. Both are invariant by construction; they give different bits.
+CPU_ACCUMULATION_ENV = "CONSISTENT_OPS_CPU_ACCUMULATION"
+CPU_ACCUMULATION_DEFAULT = "fp32"
+CPU_ACCUMULATION = {
+    "fp64": None,
+    "fp32": {
+        "cpu_accumulation": "fp32",
+        "contract_dot": (
+            "CPU tensors of bf16/fp16/fp32: operands converted exactly to fp32; k in 16 fp32 lanes "
+            "(lane j: k = j, j+16, ... ascending, zero-padded to a multiple of 16), acc_j = fma(a, b, "
+            "acc_j) from +0 (reference/dot32.c); lanes reduced by the fixed tree t_i = l_i + l_(i+8), "
+            "u_i = t_i + t_(i+4), (u_0 + u_2) + (u_1 + u_3); register blocks share loads, never sums; "
+            "one thread per output (AVX-512, AVX2 and scalar fmaf give the same bits); fp64 operands "
+            "and other devices: as the reference text"),
+        "reductions": "RMSNorm's sum of squares is contract_dot(x, x) in these lanes; the others as the reference text",
+        "attention": (
+            "CPU: one native pass per (sequence, KV head) over K/V blocks (reference/dot32.c attend32), "
+            "q.k and p.v (p fp32) in these lanes, row sums of p in the same 16 lanes by fp32 adds and the "
+            "same tree, exp from libm in fp64 rounded to fp32; sqrt: IEEE (libm sqrtf)"),
+    },
+}
+
+
 def contract_text(backend: str, realisation=None) -> str:
     """The canonical text both engines hash: common rules + this backend's realisation
     (``realisation``: what an installation decides, e.g. the ascend backend's kernels and

@@ -1,10 +1,11 @@
 """Contraction, reduction and transcendental primitives of the reference backend.
 
-Every rounding-sensitive step goes through here. Contractions are fp64 products summed
-in fp64 and rounded ONCE to fp32; on CPU tensors the sum runs in the one fixed order of
-the native kernel (native.py, dot64.c), so a result never sees the batch shape, the
-operand layout or the thread count; elsewhere fp64 BLAS, whose order does not reach the
-bits while the fp64 sum is exact (bf16 products). Reductions are fp64 sums rounded once.
+Every rounding-sensitive step goes through here. On CPU tensors a contraction runs in the
+one fixed order of a native kernel (native.py: fp32 FMA lanes, dot32.c, or fp64 lanes,
+dot64.c, per contract.CPU_ACCUMULATION), so a result never sees the batch shape, the
+operand layout or the thread count; elsewhere fp64 products are summed by fp64 BLAS, whose
+order does not reach the bits while the fp64 sum is exact (bf16 products), rounded ONCE to
+fp32. Reductions are fp64 sums rounded once.
 Transcendentals are evaluated in fp64 too because ATen's vectorised and scalar-tail fp32
 paths return different bits for the same input (seen for silu/sigmoid/rsqrt on CPU).
 """
@@ -54,8 +55,8 @@ def weight64(w: torch.Tensor) -> torch.Tensor:
     return kept(_WEIGHTS64, (w,), lambda: to64(w))
 
 
-class _Dot64(torch.autograd.Function):
-    """Forward: native.dot64_matmul (the contract's order); backward: fp64 matmuls, as
+class _Dot(torch.autograd.Function):
+    """Forward: native.matmul (the contract's order); backward: fp64 matmuls, as
     autograd would give for torch.matmul(to64(a), to64(b)).float(). Outputs past ``rows``
     are constant zeros, so they pass no gradient."""
 
@@ -63,7 +64,7 @@ class _Dot64(torch.autograd.Function):
     def forward(ctx, a, b, rows):
         ctx.save_for_backward(a, b)
         ctx.rows = rows
-        return native.dot64_matmul(a, b, rows)
+        return native.matmul(a, b, rows)
 
     @staticmethod
     def backward(ctx, grad):
@@ -83,16 +84,16 @@ def _first_rows(x, rows):
 
 
 def matmul32(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
-    """a @ b with fp64 accumulation, rounded once to fp32: on CPU the native kernel's fixed
-    order (dot64.c); elsewhere fp64 BLAS (the same bits whenever the fp64 sum is exact).
+    """a @ b -> fp32: on CPU the native kernel's fixed order (native.matmul); elsewhere fp64
+    BLAS rounded once (the same bits whenever the fp64 sum is exact).
     rows [E] (a 3-D a of E entries): only the first rows[e] rows of entry e are computed,
     the others are 0 (padded MoE groups; on CPU an empty expert costs nothing)."""
     if a.device.type != "cpu":
         out = torch.matmul(to64(a), to64(b)).float()
         return out if rows is None else _first_rows(out, rows)
     if recording(a, b):
-        return _Dot64.apply(a, b, rows)
-    return native.dot64_matmul(a, b, rows)
+        return _Dot.apply(a, b, rows)
+    return native.matmul(a, b, rows)
 
 
 def sum32(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""The reference backend's contraction on CPU tensors: dot64.c, built once per machine.
+"""The reference backend's contraction on CPU tensors: dot64.c and dot32.c, built once per machine.
 
-The C source is compiled with the system C compiler on first use into
+Which of the two realisations runs (contract.CPU_ACCUMULATION: fp32 lanes with FMA, or fp64
+lanes) is ``accumulation()``, read from $CONSISTENT_OPS_CPU_ACCUMULATION; fp64 operands always
+take the fp64 kernel (their products are exact only there). The C sources are compiled with the system C compiler on first use into
 ``$CONSISTENT_OPS_CACHE`` (default ``~/.cache/consistent_ops``), keyed by the source, the
 flags and the CPU's feature flags, and loaded with ctypes in every process (vLLM workers
 too). The bits do not depend on the build: the kernel's order is explicit and
@@ -17,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..contract import KV_BLOCK
+from ..contract import CPU_ACCUMULATION, CPU_ACCUMULATION_DEFAULT, CPU_ACCUMULATION_ENV, KV_BLOCK
 
-SOURCE = Path(__file__).with_name("dot64.c")
+SOURCES = [Path(__file__).with_name("dot64.c"), Path(__file__).with_name("dot32.c")]
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
 LIBS = ["-lm"]
 DTYPES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
@@ -39,7 +41,7 @@ def _cpu_flags() -> str:
 
 def _build() -> Path:
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + CFLAGS).encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join([cc] + CFLAGS).encode()
                          + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("CONSISTENT_OPS_CACHE", Path.home() / ".cache" / "consistent_ops"))
     lib = cache / f"dot64-{key}.so"
@@ -49,11 +51,11 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, *LIBS], capture_output=True, text=True)
+        done = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, *LIBS], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(
                 f"consistent_ops: building the reference backend's CPU kernel failed ({cc} "
-                f"{' '.join(CFLAGS)} {SOURCE}):\n{done.stderr.strip()}\nInstall a C compiler "
+                f"{' '.join(CFLAGS)} {' '.join(map(str, SOURCES))}):\n{done.stderr.strip()}\nInstall a C compiler "
                 f"(e.g. apt install gcc) or point $CC at one.")
         os.replace(tmp, lib)         # atomic: concurrent builders (vLLM workers) all succeed
     except FileNotFoundError:
@@ -71,13 +73,14 @@ def library():
         if _lib is None:
             lib = ctypes.CDLL(str(_build()))
             p = ctypes.c_void_p
-            lib.dot64.argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p]
-            lib.dot64.restype = ctypes.c_int
             i64 = ctypes.c_int64
-            lib.attend64.argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p, ctypes.c_float, p]
-            lib.attend64.restype = ctypes.c_int
-            lib.rms_norm_rows.argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p, ctypes.c_float, p, p]
-            lib.rms_norm_rows.restype = None
+            for dot, attend, norm in (("dot64", "attend64", "rms_norm_rows"), ("dot32", "attend32", "rms_norm_rows32")):
+                getattr(lib, dot).argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p]
+                getattr(lib, dot).restype = ctypes.c_int
+                getattr(lib, attend).argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p, ctypes.c_float, p]
+                getattr(lib, attend).restype = ctypes.c_int
+                getattr(lib, norm).argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p, ctypes.c_float, p, p]
+                getattr(lib, norm).restype = None
             lib.inv_sqrt32.argtypes = [i64, p, p]
             lib.inv_sqrt32.restype = None
             _lib = lib
@@ -92,22 +95,51 @@ def _operand(x):
     return x if x.dtype in DTYPES else x.float()      # e.g. fp16: widening to fp32 is exact
 
 
+def accumulation() -> str:
+    """The CPU realisation this process runs: a key of contract.CPU_ACCUMULATION."""
+    name = os.environ.get(CPU_ACCUMULATION_ENV) or CPU_ACCUMULATION_DEFAULT
+    if name not in CPU_ACCUMULATION:
+        raise ValueError(f"{CPU_ACCUMULATION_ENV}={name!r} is not a CPU accumulation; use one of "
+                         f"{', '.join(sorted(CPU_ACCUMULATION))}")
+    return name
+
+
+def _kernel(*tensors) -> str:
+    """"32" (dot32.c) or "64" (dot64.c) for these operands."""
+    return "32" if accumulation() == "fp32" and all(t.dtype != torch.float64 for t in tensors) else "64"
+
+
 def dot64_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     """a [..., M, K] @ b [..., K, N] (batch dims broadcast) -> fp32, each output one
     contract_dot of dot64.c. rows (int64, one per batch entry of a 3-D a): compute only the
     first rows[e] rows of entry e, the others are 0. CPU tensors; no autograd (core.matmul32
     wraps it)."""
+    return _matmul(a, b, rows, "64")
+
+
+def dot32_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
+    """dot64_matmul in dot32.c's fp32 order (bf16/fp16/fp32 operands)."""
+    return _matmul(a, b, rows, "32")
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
+    """The contraction of this process's accumulation() (fp64 operands: dot64)."""
+    a, b = _operand(a), _operand(b)
+    return _matmul(a, b, rows, _kernel(a, b))
+
+
+def _matmul(a, b, rows, kernel):
     a, b = _operand(a), _operand(b)
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     if rows is None and b.dim() == 2 and a.dim() > 2:   # a shared matrix: fold a's batch into M
-        return dot64_matmul(a.reshape(-1, k), b).reshape(*a.shape[:-1], n)
+        return _matmul(a.reshape(-1, k), b, None, kernel).reshape(*a.shape[:-1], n)
     batch = a.shape[:-2] if a.shape[:-2] == b.shape[:-2] else torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     out = torch.empty(*batch, m, n, dtype=torch.float32)
     if out.numel() == 0:
         return out
     if rows is not None:
         if len(batch) != 1 or rows.shape != batch:
-            raise ValueError(f"dot64_matmul: rows {tuple(rows.shape)} must give one count per batch "
+            raise ValueError(f"dot{kernel}_matmul: rows {tuple(rows.shape)} must give one count per batch "
                              f"entry of a 3-D product (batch {tuple(batch)})")
         rows = rows.to(torch.int64).contiguous()
     a, b = a.expand(*batch, m, k), b.expand(*batch, k, n)
@@ -116,19 +148,16 @@ def dot64_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     pad = 3 - (a.dim() - 2)
     shape = [1] * pad + list(a.shape[:-2]) + [m, n, k]
     sb = [0] * pad + list(b.stride()[:-2]) + [b.stride(-1), b.stride(-2)]   # b0 b1 b2 n k
-    return _call(shape, a, [0] * pad + list(a.stride()), b, sb, rows, out)
-
-
-def _call(shape, a, sa, b, sb, mlen, out):
-    rc = library().dot64(_int64s(shape), a.data_ptr(), DTYPES[a.dtype], _int64s(sa), b.data_ptr(),
-                         DTYPES[b.dtype], _int64s(sb), None if mlen is None else mlen.data_ptr(), out.data_ptr())
+    rc = getattr(library(), "dot" + kernel)(
+        _int64s(shape), a.data_ptr(), DTYPES[a.dtype], _int64s([0] * pad + list(a.stride())), b.data_ptr(),
+        DTYPES[b.dtype], _int64s(sb), None if rows is None else rows.data_ptr(), out.data_ptr())
     if rc:
-        raise MemoryError("consistent_ops dot64: out of memory for its row buffers")
+        raise MemoryError(f"consistent_ops dot{kernel}: out of memory for its row buffers")
     return out
 
 
 def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale):
-    """The contract's attention in one pass (dot64.c attend64): qh [S, H, R, D] query rows;
+    """The contract's attention in one pass (attend64 / attend32 per _kernel): qh [S, H, R, D] query rows;
     K/V element (s, h, pos, d) at k/v's first element + token[s, pos] + h * head_stride +
     d * dim_stride (a padded layout or a paged cache read in place); qpos [S, R] each row's
     position; V past seq_lens[s] reads as 0. Returns acc / l, fp32 [S, H, R, D]. No autograd."""
@@ -144,7 +173,7 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale):
         raise TypeError(f"attend: K/V dtypes {k.dtype}/{v.dtype}; use one of {list(DTYPES)}")
     out = torch.empty(S, H, R, D, dtype=torch.float32)
     if out.numel():
-        rc = library().attend64(_int64s([S, H, R, D, L, KV_BLOCK]), qh.data_ptr(), DTYPES[qh.dtype],
+        rc = getattr(library(), "attend" + _kernel(qh, k))(_int64s([S, H, R, D, L, KV_BLOCK]), qh.data_ptr(), DTYPES[qh.dtype],
                                 _int64s(list(qh.stride()[:3])), k.data_ptr(), v.data_ptr(), DTYPES[k.dtype],
                                 token.data_ptr(), _int64s([head_stride, dim_stride]), qpos.data_ptr(),
                                 seq_lens.data_ptr(), scale, out.data_ptr())
@@ -157,8 +186,8 @@ ACTIVATIONS = (torch.bfloat16, torch.float32)
 
 
 def rms_norm(x, weight, eps, residual=None):
-    """reference/norm.py's RMSNorm (and its fused residual add) in one call (dot64.c
-    rms_norm_rows): the same bits as those torch steps. x [..., H] of an ACTIVATIONS dtype;
+    """reference/norm.py's RMSNorm (and its fused residual add) in one call (rms_norm_rows
+    of dot64.c / dot32.c per _kernel): the same bits as those torch steps. x [..., H] of an ACTIVATIONS dtype;
     returns y, or (y, x + residual) when residual is given. No autograd."""
     h = x.shape[-1]
     rows = x.reshape(-1, h)
@@ -170,7 +199,8 @@ def rms_norm(x, weight, eps, residual=None):
     w = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     res_out = None if res is None else torch.empty(x.shape, dtype=x.dtype)
-    library().rms_norm_rows(rows.shape[0], h, DTYPES[x.dtype], rows.data_ptr(), rows.stride(0),
+    norm = library().rms_norm_rows32 if _kernel(x) == "32" else library().rms_norm_rows
+    norm(rows.shape[0], h, DTYPES[x.dtype], rows.data_ptr(), rows.stride(0),
                             None if res is None else res.data_ptr(), 0 if res is None else res.stride(0),
                             w.data_ptr(), eps, out.data_ptr(), None if res_out is None else res_out.data_ptr())
     return out if residual is None else (out, res_out)

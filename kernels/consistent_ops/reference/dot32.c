@@ -1,0 +1,331 @@
+/* contract_dot on the CPU, the fp32 realisation (contract.py CPU_ACCUMULATION["fp32"]):
+ * out = sum_k a[k] * b[k] with operands converted exactly to fp32 (bf16, fp16 and fp32
+ * widen exactly) and products accumulated by FMA in 16 fp32 lanes.
+ *
+ * Order: lane j (0..15) holds k = j, j+16, j+32, ... in ascending k, acc_j = fma(a[k], b[k],
+ * acc_j) from acc_j = +0 (k padded with zeros to a multiple of 16: fma(0, 0, acc) = acc,
+ * and acc is never -0); the lanes are then added by one fixed tree:
+ * t_i = l_i + l_{i+8} (i < 8), u_i = t_i + t_{i+4} (i < 4), w_i = u_i + u_{i+2} (i < 2), w_0 + w_1.
+ * FMA is one correctly rounded operation, so an AVX-512 register, two AVX2 registers or a
+ * scalar fmaf loop give the same bits; every output is computed from its own row and column
+ * alone (register blocks share loads, never sums), on one thread, so it never depends on M,
+ * N, the batch, the strides, the ISA or the thread count. Built with -ffp-contract=off:
+ * every other multiply and add is a separate IEEE operation.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+enum { F64 = 0, F32 = 1, BF16 = 2 };
+static const int64_t ELEM[] = {8, 4, 2};
+enum { LANES = 16 };
+enum { BFULL_FLOATS = 1 << 20 };  /* B widened whole up to 4 MiB */
+enum { BBUF_FLOATS = 16384 };     /* else blocks of B rows: 64 KiB */
+enum { ABUF_FLOATS = 4096 };      /* A rows widened at a time: 16 KiB (L1) */
+enum { PREFETCH = 8 };
+
+/* 16 fp32 lanes and the three operations the order uses. */
+#if defined(__AVX512F__)
+typedef struct { __m512 v; } v16;
+static inline v16 zero16(void) { v16 r = {_mm512_setzero_ps()}; return r; }
+static inline v16 load16(const float *p) { v16 r = {_mm512_loadu_ps(p)}; return r; }
+static inline v16 fma16(v16 a, v16 b, v16 c) { v16 r = {_mm512_fmadd_ps(a.v, b.v, c.v)}; return r; }
+static inline v16 add16(v16 a, v16 b) { v16 r = {_mm512_add_ps(a.v, b.v)}; return r; }
+static inline void store16(float *p, v16 a) { _mm512_storeu_ps(p, a.v); }
+#elif defined(__FMA__)
+typedef struct { __m256 lo, hi; } v16;
+static inline v16 zero16(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline v16 load16(const float *p) { v16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    v16 r = {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+    return r;
+}
+static inline v16 add16(v16 a, v16 b) { v16 r = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return r; }
+static inline void store16(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+#else
+typedef struct { float v[LANES]; } v16;
+static inline v16 zero16(void) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = 0.0f; return r; }
+static inline v16 load16(const float *p) { v16 r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    v16 r;
+    for (int i = 0; i < LANES; i++) r.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
+    return r;
+}
+static inline v16 add16(v16 a, v16 b) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = a.v[i] + b.v[i]; return r; }
+static inline void store16(float *p, v16 a) { memcpy(p, a.v, sizeof a.v); }
+#endif
+
+/* The fixed lane tree (header comment); the AVX2 steps are that tree on registers. */
+static inline float finish16(v16 acc) {
+#if defined(__FMA__) && !defined(__AVX512F__)
+    const __m256 t = _mm256_add_ps(acc.lo, acc.hi);                                   /* t_i, i < 8 */
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)); /* u_i, i < 4 */
+    const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));                              /* u_0+u_2, u_1+u_3 */
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+#else
+    float l[LANES];
+    store16(l, acc);
+    float t[8], u[4];
+    for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
+    for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+#endif
+}
+
+static float *scratch32(size_t floats) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (floats > cap) {
+        free(buf);
+        buf = aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* n elements at stride s of a F32 or BF16 operand -> fp32 dst. */
+static void widen32(const char *src, int dt, int64_t n, int64_t s, float *dst) {
+    int64_t i;
+    if (dt == F32) {
+        const float *p = (const float *)src;
+        if (s == 1) memcpy(dst, p, (size_t)n * sizeof(float));
+        else for (i = 0; i < n; i++) dst[i] = p[i * s];
+    } else {
+        const uint16_t *p = (const uint16_t *)src;
+        if (s == 1) for (i = 0; i < n; i++) dst[i] = bf16_to_float(p[i]);
+        else for (i = 0; i < n; i++) dst[i] = bf16_to_float(p[i * s]);
+    }
+}
+
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+/* out[i, j] = contract_dot(arow i, brow j) for mr rows of abuf and nr rows of bbuf, both of
+ * length kp (a multiple of 16, zero-padded). Register blocks of 2 x 3 outputs share the
+ * loads; each output keeps its own 16 lanes. bbuf holds nr rounded up to 3 rows. */
+static void block32(const float *abuf, int64_t mr, const float *bbuf, int64_t nr, int64_t kp,
+                    float *out, int64_t ldo) {
+    for (int64_t j0 = 0; j0 < nr; j0 += 3) {
+        const float *b0 = bbuf + j0 * kp, *b1 = b0 + kp, *b2 = b1 + kp;
+        const int64_t nj = nr - j0 < 3 ? nr - j0 : 3;
+        for (int64_t i = 0; i < mr; i += 2) {
+            const float *a0 = abuf + i * kp, *a1 = i + 1 < mr ? a0 + kp : a0;
+            v16 c00 = zero16(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+            for (int64_t k = 0; k < kp; k += LANES) {
+                const v16 x0 = load16(a0 + k), x1 = load16(a1 + k);
+                v16 y = load16(b0 + k);
+                c00 = fma16(x0, y, c00); c10 = fma16(x1, y, c10);
+                y = load16(b1 + k);
+                c01 = fma16(x0, y, c01); c11 = fma16(x1, y, c11);
+                y = load16(b2 + k);
+                c02 = fma16(x0, y, c02); c12 = fma16(x1, y, c12);
+            }
+            const float r0[3] = {finish16(c00), finish16(c01), finish16(c02)};
+            const float r1[3] = {finish16(c10), finish16(c11), finish16(c12)};
+            for (int64_t t = 0; t < nj; t++) out[i * ldo + j0 + t] = r0[t];
+            if (i + 1 < mr)
+                for (int64_t t = 0; t < nj; t++) out[(i + 1) * ldo + j0 + t] = r1[t];
+        }
+    }
+}
+
+/* B rows n0 .. n0+nr-1 (element (n, k) at base + n*sn + k*sk) as fp32 rows of kp, zero
+ * padded in k and to a multiple of 3 rows. A B contiguous in n (e.g. V) is transposed here. */
+static void widen_b32(const char *base, int dt, int64_t sn, int64_t sk, int64_t n0, int64_t nr, int64_t K,
+                      int64_t kp, float *dst) {
+    const int64_t e = ELEM[dt], padded = (nr + 2) / 3 * 3;
+    if (sk == 1 || sn != 1) {
+        for (int64_t j = 0; j < padded; j++) {
+            const char *row = base + (n0 + j) * sn * e;
+            if (j + PREFETCH < nr && sk == 1) prefetch(row + PREFETCH * sn * e, K * e);
+            const int64_t have = j < nr ? K : 0;
+            if (have) widen32(row, dt, K, sk, dst + j * kp);
+            memset(dst + j * kp + have, 0, (size_t)(kp - have) * sizeof(float));
+        }
+        return;
+    }
+    memset(dst, 0, (size_t)(padded * kp) * sizeof(float));
+    for (int64_t k = 0; k < K; k++) {                    /* sn == 1: read each k's run of n in order */
+        const char *run = base + (n0 + k * sk) * e;
+        if (dt == F32) for (int64_t j = 0; j < nr; j++) dst[j * kp + k] = ((const float *)run)[j];
+        else for (int64_t j = 0; j < nr; j++) dst[j * kp + k] = bf16_to_float(((const uint16_t *)run)[j]);
+    }
+}
+
+/* The batched contraction of dot64.c (same arguments: shape {nb0, nb1, nb2, M, N, K}, A
+ * strides {b0, b1, b2, m, k}, B strides {b0, b1, b2, n, k}, mlen, contiguous fp32 out) in the
+ * fp32 order above. Operands F32 or BF16. Returns 0, or -1 when out of memory. */
+int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
+          const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
+    const int64_t M = shape[3], N = shape[4], K = shape[5];
+    const int64_t ea = ELEM[ta], eb = ELEM[tb];
+    const int64_t kp = (K + LANES - 1) / LANES * LANES;
+    const int64_t mb = kp && ABUF_FLOATS / kp > 0 ? (ABUF_FLOATS / kp < M ? ABUF_FLOATS / kp : M) : 1;
+    int64_t nb = N * kp <= BFULL_FLOATS ? N : (BBUF_FLOATS / kp) / 3 * 3;
+    if (nb < 3) nb = 3;
+    float *abuf = scratch32((size_t)((mb + (nb + 2) / 3 * 3) * kp + LANES));
+    if (!abuf) return -1;
+    float *bbuf = abuf + mb * kp;
+    int64_t b = 0;
+    for (int64_t b0 = 0; b0 < shape[0]; b0++)
+    for (int64_t b1 = 0; b1 < shape[1]; b1++)
+    for (int64_t b2 = 0; b2 < shape[2]; b2++, b++) {
+        const char *Ab = A + (b0 * sa[0] + b1 * sa[1] + b2 * sa[2]) * ea;
+        const char *Bb = B + (b0 * sb[0] + b1 * sb[1] + b2 * sb[2]) * eb;
+        float *ob = out + b * M * N;
+        const int64_t rows = mlen && mlen[b] < M ? (mlen[b] > 0 ? mlen[b] : 0) : M;
+        memset(ob + rows * N, 0, (size_t)((M - rows) * N) * sizeof(float));
+        for (int64_t n0 = 0; n0 < N && rows; n0 += nb) {
+            const int64_t nr = N - n0 < nb ? N - n0 : nb;
+            widen_b32(Bb, tb, sb[3], sb[4], n0, nr, K, kp, bbuf);
+            for (int64_t m0 = 0; m0 < rows; m0 += mb) {
+                const int64_t mr = rows - m0 < mb ? rows - m0 : mb;
+                for (int64_t i = 0; i < mr; i++) {
+                    widen32(Ab + (m0 + i) * sa[3] * ea, ta, K, sa[4], abuf + i * kp);
+                    memset(abuf + i * kp + K, 0, (size_t)(kp - K) * sizeof(float));
+                }
+                block32(abuf, mr, bbuf, nr, kp, ob + m0 * N + n0, N);
+            }
+        }
+    }
+    return 0;
+}
+
+/* The lane sum of x[0..n-1] (plain adds, lane j: n = j, j+16, ... ascending; the tree above). */
+static inline float lane_sum32(const float *x, int64_t n) {
+    float l[LANES] = {0};
+    for (int64_t i = 0; i < n; i++) l[i % LANES] += x[i];
+    v16 v = load16(l);
+    return finish16(v);
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float load_act(const char *p, int dt, int64_t i) {
+    return dt == F32 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
+}
+
+static inline float round_act(int dt, float v) { return dt == BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+static inline void store_act(char *p, int dt, int64_t i, float v) {
+    if (dt == F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = float_to_bf16(v);
+}
+
+/* dot64.c's rms_norm_rows with var = contract_dot(r, r) in this file's order. */
+void rms_norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, const char *res, int64_t sres,
+                     const char *w, float eps, char *out, char *res_out) {
+    const int64_t e = ELEM[dt], hp = (H + LANES - 1) / LANES * LANES;
+    float *r = scratch32((size_t)hp);
+    for (int64_t t = 0; t < T; t++) {
+        const char *xr = x + t * sx * e;
+        for (int64_t i = 0; i < hp; i++) {
+            float v = 0.0f;
+            if (i < H) {
+                v = load_act(xr, dt, i);
+                if (res) {
+                    v = round_act(dt, v + load_act(res + t * sres * e, dt, i));
+                    store_act(res_out + t * H * e, dt, i, v);
+                }
+            }
+            r[i] = v;
+        }
+        v16 acc = zero16();
+        for (int64_t i = 0; i < hp; i += LANES) {
+            const v16 v = load16(r + i);
+            acc = fma16(v, v, acc);
+        }
+        const float var = finish16(acc) / (float)H;
+        const float inv = 1.0f / sqrtf(var + eps);
+        for (int64_t i = 0; i < H; i++) store_act(out + t * H * e, dt, i, round_act(dt, r[i] * inv) * load_act(w, dt, i));
+    }
+}
+
+/* dot64.c's attend64 (same arguments and loop) with the contractions and the row sums of p
+ * in this file's order; exp in fp64 from libm, rounded to fp32. */
+int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
+             int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
+             float scale, float *out) {
+    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
+    const int64_t dp = (D + LANES - 1) / LANES * LANES, kvp = (KVB + LANES - 1) / LANES * LANES;
+    const int64_t dpad = (D + 2) / 3 * 3, npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
+    const size_t need = (size_t)(R * dp + npad * dp + dpad * kvp + R * kvp + R * kvp + R * dp + 2 * R + 64);
+    float *buf = scratch32(need);
+    if (!buf) return -1;
+    float *qb = buf, *kb = qb + R * dp, *vt = kb + npad * dp, *pb = vt + dpad * kvp, *sbuf = pb + R * kvp;
+    float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
+    memset(kb, 0, (size_t)(npad * dp + dpad * kvp + R * kvp) * sizeof(float));   /* pads stay 0 */
+    for (int64_t s = 0; s < S; s++)
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t *ts = tok + s * L;
+        const int64_t slen = seq_len[s];
+        const int64_t *qp = qpos + s * R;
+        float *o = out + (s * H + h) * R * D;
+        for (int64_t r = 0; r < R; r++) {
+            widen32(Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq, tq, D, 1, qb + r * dp);
+            memset(qb + r * dp + D, 0, (size_t)(dp - D) * sizeof(float));
+            mrow[r] = -INFINITY;
+            lrow[r] = 0.0f;
+            for (int64_t d = 0; d < D; d++) o[r * D + d] = 0.0f;
+        }
+        int64_t last = 0;
+        for (int64_t r = 0; r < R; r++) last = qp[r] > last ? qp[r] : last;
+        for (int64_t j = 0; j * KVB <= last && j * KVB < L; j++) {
+            for (int64_t n = 0; n < KVB; n++) {
+                const int64_t pos = j * KVB + n;
+                const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
+                if (n + PREFETCH < KVB) {
+                    prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
+                    prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
+                }
+                widen32(kr, tkv, D, kvs[1], kb + n * dp);
+                if (pos < slen) {                            /* V transposed: rows d of positions */
+                    if (tkv == F32) for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = ((const float *)vr)[d * kvs[1]];
+                    else for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = bf16_to_float(((const uint16_t *)vr)[d * kvs[1]]);
+                } else {
+                    for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = 0.0f;
+                }
+            }
+            block32(qb, R, kb, KVB, dp, sbuf, kvp);          /* sbuf[r][n] = contract_dot(q, k) */
+            for (int64_t r = 0; r < R; r++) {
+                float *sr = sbuf + r * kvp, bm = -INFINITY;
+                for (int64_t n = 0; n < KVB; n++) {
+                    sr[n] = j * KVB + n <= qp[r] ? sr[n] * scale : -INFINITY;
+                    bm = sr[n] > bm ? sr[n] : bm;
+                }
+                const float m_new = mrow[r] > bm ? mrow[r] : bm;
+                const float a = (float)exp((double)(mrow[r] - m_new));
+                float *pr = pb + r * kvp;
+                for (int64_t n = 0; n < KVB; n++) pr[n] = (float)exp((double)(sr[n] - m_new));
+                lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
+                mrow[r] = m_new;
+                sr[0] = a;
+            }
+            block32(pb, R, vt, D, kvp, pv, dp);              /* pv[r][d] = contract_dot(p, v) */
+            for (int64_t r = 0; r < R; r++) {
+                const float a = sbuf[r * kvp];
+                for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] * a + pv[r * dp + d];
+            }
+        }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lrow[r];
+    }
+    return 0;
+}
