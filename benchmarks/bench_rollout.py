@@ -98,6 +98,22 @@ def _report_profile(prof):
 
 
 # ----------------------------------------------------------------------------- parent
+def cpu_description() -> str:
+    """'<model name>, <ISA>' from /proc/cpuinfo: the widest of AMX, AVX-512, AVX2 it lists."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = dict(line.split(":", 1) for line in info.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = ("AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+           else "no AVX2")
+    if isa == "AMX" and "avx512f" in flags:
+        isa = "AMX + AVX-512"
+    from consistent_ops.contract import CPU_ACCUMULATION_DEFAULT, CPU_ACCUMULATION_ENV
+    acc = os.environ.get(CPU_ACCUMULATION_ENV) or CPU_ACCUMULATION_DEFAULT
+    return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}), {isa}, {os.cpu_count()} CPUs; plugin CPU accumulation {acc}")
+
+
 def run_mode(args, model, mode):
     env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
     if MODES[mode]["plugin"]:
@@ -130,6 +146,8 @@ def main(argv=None):
     model = resolve_model(args)
     if args.child:
         return run_child(args, model)
+    cpu = cpu_description()
+    print(f"[bench] CPU: {cpu}", flush=True)
     results = {}
     for r in range(args.rounds):
         for mode in args.modes.split(","):
@@ -137,17 +155,17 @@ def main(argv=None):
                   f"TP {args.tp}, {args.repeats} repeats, round {r + 1}/{args.rounds}", flush=True)
             out = run_mode(args, model, mode)
             print(f"[bench] {mode}: median {out['median']:.1f} tokens/s "
-                  f"({', '.join(f'{x:.1f}' for x in out['tokens_per_s'])})", flush=True)
+                  f"({', '.join(f'{x:.1f}' for x in out['tokens_per_s'])}) on {cpu}", flush=True)
             pooled = results.setdefault(mode, {"mode": mode, "tokens_per_s": [], "wall_s": 0.0})
             pooled["tokens_per_s"] += out["tokens_per_s"]
             pooled["wall_s"] += out["wall_s"]
             pooled["median"] = statistics.median(pooled["tokens_per_s"])    # over every round's repeats
     base = results.get("stock", {}).get("median")
-    print(f"\n{'mode':<12}{'tokens/s (median)':>20}{'vs stock':>10}")
+    print(f"\nCPU: {cpu}\n{'mode':<12}{'tokens/s (median)':>20}{'vs stock':>10}")
     for mode, r in results.items():
         print(f"{mode:<12}{r['median']:>20.1f}{(r['median'] / base if base else float('nan')):>10.3f}")
     summary = {"model": model, "args": {k: v for k, v in vars(args).items() if k != "child"},
-               "date": time.strftime("%Y-%m-%d %H:%M"), "load_avg": os.getloadavg(), "results": results}
+               "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "load_avg": os.getloadavg(), "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
 

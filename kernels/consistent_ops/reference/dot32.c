@@ -211,6 +211,56 @@ static inline float lane_sum32(const float *x, int64_t n) {
     return finish16(v);
 }
 
+/* exp in fp64, rounded to fp32, by one fixed sequence of IEEE operations (the same in the
+ * AVX2 and the scalar form): x < -104 (fp32 exp is 0 below; -inf) -> 0, NaN -> NaN, x clamped
+ * to <= 89; n = rint(x * log2(e)); r = fma(-n, ln2_lo, fma(-n, ln2_hi, x)); p = the degree-13
+ * Taylor polynomial of exp(r) by Horner with fma (|r| <= 0.35: truncation error < 2e-16);
+ * result fp32(p * 2^n). exp(0) = 1 exactly, so masked blocks stay exact no-ops. */
+#define EXP_DEGREE 13
+static const double EXP_C[EXP_DEGREE + 1] = {
+    1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320, 1.0 / 362880,
+    1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800.0};
+static const double LOG2E = 1.4426950408889634, LN2_HI = 0.6931471803691238, LN2_LO = 1.9082149292705877e-10;
+
+static inline float exp32_one(float x) {
+    if (x != x) return x;
+    if (x < -104.0f) return 0.0f;
+    const double xd = x < 89.0f ? (double)x : 89.0;
+    const double n = nearbyint(xd * LOG2E);
+    const double r = fma(-n, LN2_LO, fma(-n, LN2_HI, xd));
+    double p = EXP_C[EXP_DEGREE];
+    for (int i = EXP_DEGREE - 1; i >= 0; i--) p = fma(p, r, EXP_C[i]);
+    const uint64_t bits = (uint64_t)((int64_t)n + 1023) << 52;
+    double scale;
+    memcpy(&scale, &bits, 8);
+    return (float)(p * scale);
+}
+
+/* out[i] = exp32_one(x[i]), i < n. */
+static void exp32_rows(const float *x, float *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__FMA__)
+    for (; i + 4 <= n; i += 4) {
+        const __m128 xf = _mm_loadu_ps(x + i);
+        const __m256d xd = _mm256_min_pd(_mm256_cvtps_pd(xf), _mm256_set1_pd(89.0));
+        const __m256d nn = _mm256_round_pd(_mm256_mul_pd(xd, _mm256_set1_pd(LOG2E)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256d negn = _mm256_xor_pd(nn, _mm256_set1_pd(-0.0));            /* -n, as the scalar form */
+        __m256d r = _mm256_fmadd_pd(negn, _mm256_set1_pd(LN2_HI), xd);
+        r = _mm256_fmadd_pd(negn, _mm256_set1_pd(LN2_LO), r);
+        __m256d p = _mm256_set1_pd(EXP_C[EXP_DEGREE]);
+        for (int j = EXP_DEGREE - 1; j >= 0; j--) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(EXP_C[j]));
+        const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(nn)),
+                                                             _mm256_set1_epi64x(1023)), 52);
+        __m128 y = _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)));
+        y = _mm_blendv_ps(y, _mm_setzero_ps(), _mm_cmplt_ps(xf, _mm_set1_ps(-104.0f)));   /* -inf too */
+        y = _mm_blendv_ps(y, xf, _mm_cmpunord_ps(xf, xf));                                 /* NaN */
+        _mm_storeu_ps(out + i, y);
+    }
+#endif
+    for (; i < n; i++) out[i] = exp32_one(x[i]);
+}
+
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -259,7 +309,7 @@ void rms_norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, co
 }
 
 /* dot64.c's attend64 (same arguments and loop) with the contractions and the row sums of p
- * in this file's order; exp in fp64 from libm, rounded to fp32. */
+ * in this file's order; exp by exp32_rows. */
 int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
              int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
              float scale, float *out) {
@@ -311,9 +361,10 @@ int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
                     bm = sr[n] > bm ? sr[n] : bm;
                 }
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
-                const float a = (float)exp((double)(mrow[r] - m_new));
+                const float a = exp32_one(mrow[r] - m_new);
                 float *pr = pb + r * kvp;
-                for (int64_t n = 0; n < KVB; n++) pr[n] = (float)exp((double)(sr[n] - m_new));
+                for (int64_t n = 0; n < KVB; n++) pr[n] = sr[n] - m_new;
+                exp32_rows(pr, pr, KVB);
                 lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
                 mrow[r] = m_new;
                 sr[0] = a;
