@@ -69,6 +69,8 @@ def _build() -> Path:
 
 def library():
     global _lib
+    if _lib is not None:                 # built and loaded: no lock on the per-call path
+        return _lib
     with _lock:
         if _lib is None:
             lib = ctypes.CDLL(str(_build()))
