@@ -24,7 +24,7 @@ enum { F64 = 0, F32 = 1, BF16 = 2 };
 static const int64_t ELEM[] = {8, 4, 2};
 enum { LANES = 16 };
 enum { BFULL_FLOATS = 1 << 20 };  /* B widened whole up to 4 MiB */
-enum { BBUF_FLOATS = 16384 };     /* else blocks of B rows: 64 KiB */
+enum { BBUF_FLOATS = 65536 };     /* else blocks of B rows: 256 KiB (L2) */
 enum { ABUF_FLOATS = 4096 };      /* A rows widened at a time: 16 KiB (L1) */
 enum { PREFETCH = 8 };
 
@@ -172,7 +172,8 @@ int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     const int64_t M = shape[3], N = shape[4], K = shape[5];
     const int64_t ea = ELEM[ta], eb = ELEM[tb];
     const int64_t kp = (K + LANES - 1) / LANES * LANES;
-    const int64_t mb = kp && ABUF_FLOATS / kp > 0 ? (ABUF_FLOATS / kp < M ? ABUF_FLOATS / kp : M) : 1;
+    int64_t mb = kp ? ABUF_FLOATS / kp : M;
+    mb = mb < 2 ? 2 : mb > M ? M : mb;                   /* two rows share each B load */
     int64_t nb = N * kp <= BFULL_FLOATS ? N : (BBUF_FLOATS / kp) / 3 * 3;
     if (nb < 3) nb = 3;
     float *abuf = scratch32((size_t)((mb + (nb + 2) / 3 * 3) * kp + LANES));
