@@ -12,21 +12,15 @@
  * N, the batch, the strides, the ISA or the thread count. Built with -ffp-contract=off:
  * every other multiply and add is a separate IEEE operation.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "native.h"
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-enum { F64 = 0, F32 = 1, BF16 = 2 };
-static const int64_t ELEM[] = {8, 4, 2};
 enum { LANES = 16 };
 enum { BFULL_FLOATS = 1 << 20 };  /* B widened whole up to 4 MiB */
 enum { BBUF_FLOATS = 65536 };     /* else blocks of B rows: 256 KiB (L2) */
 enum { ABUF_FLOATS = 4096 };      /* A rows widened at a time: 16 KiB (L1) */
-enum { PREFETCH = 8 };
 
 /* 16 fp32 lanes and the three operations the order uses. */
 #if defined(__AVX512F__)
@@ -76,24 +70,6 @@ static inline float finish16(v16 acc) {
 #endif
 }
 
-static float *scratch32(size_t floats) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        free(buf);
-        buf = aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
-        cap = buf ? floats : 0;
-    }
-    return buf;
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* n elements at stride s of a F32 or BF16 operand -> fp32 dst. */
 static void widen32(const char *src, int dt, int64_t n, int64_t s, float *dst) {
     int64_t i;
@@ -106,10 +82,6 @@ static void widen32(const char *src, int dt, int64_t n, int64_t s, float *dst) {
         if (s == 1) for (i = 0; i < n; i++) dst[i] = bf16_to_float(p[i]);
         else for (i = 0; i < n; i++) dst[i] = bf16_to_float(p[i * s]);
     }
-}
-
-static inline void prefetch(const char *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
 /* out[i, j] = contract_dot(arow i, brow j) for mr rows of abuf and nr rows of bbuf, both of
@@ -176,7 +148,7 @@ int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     mb = mb < 2 ? 2 : mb > M ? M : mb;                   /* two rows share each B load */
     int64_t nb = N * kp <= BFULL_FLOATS ? N : (BBUF_FLOATS / kp) / 3 * 3;
     if (nb < 3) nb = 3;
-    float *abuf = scratch32((size_t)((mb + (nb + 2) / 3 * 3) * kp + LANES));
+    float *abuf = scratch_bytes((size_t)((mb + (nb + 2) / 3 * 3) * kp + LANES) * sizeof(float));
     if (!abuf) return -1;
     float *bbuf = abuf + mb * kp;
     int64_t b = 0;
@@ -262,51 +234,20 @@ static void exp32_rows(const float *x, float *out, int64_t n) {
     for (; i < n; i++) out[i] = exp32_one(x[i]);
 }
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+/* contract_dot(r, r) of n fp32 values (n a multiple of 16) in this file's lanes. */
+static float sumsq32(const float *r, int64_t n) {
+    v16 acc = zero16();
+    for (int64_t i = 0; i < n; i += LANES) {
+        const v16 v = load16(r + i);
+        acc = fma16(v, v, acc);
+    }
+    return finish16(acc);
 }
 
-static inline float load_act(const char *p, int dt, int64_t i) {
-    return dt == F32 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
-}
-
-static inline float round_act(int dt, float v) { return dt == BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
-
-static inline void store_act(char *p, int dt, int64_t i, float v) {
-    if (dt == F32) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = float_to_bf16(v);
-}
-
-/* dot64.c's rms_norm_rows with var = contract_dot(r, r) in this file's order. */
+/* native.h norm_rows with this file's sum of squares. */
 void rms_norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, const char *res, int64_t sres,
                      const char *w, float eps, char *out, char *res_out) {
-    const int64_t e = ELEM[dt], hp = (H + LANES - 1) / LANES * LANES;
-    float *r = scratch32((size_t)hp);
-    for (int64_t t = 0; t < T; t++) {
-        const char *xr = x + t * sx * e;
-        for (int64_t i = 0; i < hp; i++) {
-            float v = 0.0f;
-            if (i < H) {
-                v = load_act(xr, dt, i);
-                if (res) {
-                    v = round_act(dt, v + load_act(res + t * sres * e, dt, i));
-                    store_act(res_out + t * H * e, dt, i, v);
-                }
-            }
-            r[i] = v;
-        }
-        v16 acc = zero16();
-        for (int64_t i = 0; i < hp; i += LANES) {
-            const v16 v = load16(r + i);
-            acc = fma16(v, v, acc);
-        }
-        const float var = finish16(acc) / (float)H;
-        const float inv = 1.0f / sqrtf(var + eps);
-        for (int64_t i = 0; i < H; i++) store_act(out + t * H * e, dt, i, round_act(dt, r[i] * inv) * load_act(w, dt, i));
-    }
+    norm_rows(sumsq32, LANES, T, H, dt, x, sx, res, sres, w, eps, out, res_out);
 }
 
 /* dot64.c's attend64 (same arguments and loop) with the contractions and the row sums of p
@@ -318,7 +259,7 @@ int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
     const int64_t dp = (D + LANES - 1) / LANES * LANES, kvp = (KVB + LANES - 1) / LANES * LANES;
     const int64_t dpad = (D + 2) / 3 * 3, npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
     const size_t need = (size_t)(R * dp + npad * dp + dpad * kvp + R * kvp + R * kvp + R * dp + 2 * R + 64);
-    float *buf = scratch32(need);
+    float *buf = scratch_bytes(need * sizeof(float));
     if (!buf) return -1;
     float *qb = buf, *kb = qb + R * dp, *vt = kb + npad * dp, *pb = vt + dpad * kvp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;

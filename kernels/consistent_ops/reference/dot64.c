@@ -12,39 +12,13 @@
  * fp64 in memory made the rollout's decode step bound by fp64 traffic (KV blocks and weights
  * re-widened each step); here operands are widened in cache-sized buffers.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "native.h"
 
 typedef double v4d __attribute__((vector_size(32)));
-
-enum { F64 = 0, F32 = 1, BF16 = 2 };
-
-static const int64_t ELEM[] = {8, 4, 2};
 
 enum { BFULL_DOUBLES = 1 << 19 }; /* B widened whole up to 4 MiB */
 enum { BBUF_DOUBLES = 8192 };   /* else B rows widened at a time: 64 KiB */
 enum { ABUF_DOUBLES = 8192 };  /* A rows widened at a time: 64 KiB */
-
-/* One growing buffer per thread for the widened rows (never freed: no allocation per call). */
-static double *scratch(size_t doubles) {
-    static __thread double *buf;
-    static __thread size_t cap;
-    if (doubles > cap) {
-        free(buf);
-        buf = aligned_alloc(32, ((doubles * sizeof(double) + 31) / 32) * 32);
-        cap = buf ? doubles : 0;
-    }
-    return buf;
-}
-
-static inline double bf16_to_double(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* n elements at stride s (in elements) -> fp64 dst. The s == 1 loops vectorise. */
 static void widen(const char *src, int dt, int64_t n, int64_t s, double *dst) {
@@ -59,8 +33,8 @@ static void widen(const char *src, int dt, int64_t n, int64_t s, double *dst) {
         else for (i = 0; i < n; i++) dst[i] = p[i * s];
     } else {
         const uint16_t *p = (const uint16_t *)src;
-        if (s == 1) for (i = 0; i < n; i++) dst[i] = bf16_to_double(p[i]);
-        else for (i = 0; i < n; i++) dst[i] = bf16_to_double(p[i * s]);
+        if (s == 1) for (i = 0; i < n; i++) dst[i] = (double)bf16_to_float(p[i]);
+        else for (i = 0; i < n; i++) dst[i] = (double)bf16_to_float(p[i * s]);
     }
 }
 
@@ -70,14 +44,6 @@ typedef struct {
     int dt;
     int64_t sn, sk;
 } Bview;
-
-/* Rows of a B operand can be scattered (strided views): ask for the row PREFETCH ahead
- * while widening this one. Hints only; bits are unaffected. */
-enum { PREFETCH = 8 };
-
-static inline void prefetch(const char *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-}
 
 static inline v4d load4(const double *p) {
     v4d v;
@@ -188,7 +154,7 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
      * blocks of nb rows, A again for each. */
     int64_t nb = N * kp <= BFULL_DOUBLES ? N : (BBUF_DOUBLES / kp) & ~(int64_t)3;
     if (nb < 4) nb = 4;
-    double *abuf = scratch((size_t)((mb + ((nb + 3) & ~(int64_t)3)) * kp + 4));
+    double *abuf = scratch_bytes((size_t)((mb + ((nb + 3) & ~(int64_t)3)) * kp + 4) * sizeof(double));
     if (!abuf) return -1;
     double *bbuf = abuf + mb * kp;
     int64_t b = 0;
@@ -218,58 +184,17 @@ int dot64(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     return 0;
 }
 
-/* fp32 -> bf16 as torch rounds it (nearest even; NaN -> 0x7FC0). */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+/* contract_dot(r, r) of n fp32 values (n a multiple of 4) in this file's lanes. */
+static float sumsq64(const float *r, int64_t n) {
+    v4d lanes = {0, 0, 0, 0};
+    for (int64_t i = 0; i < n; i++) lanes[i & 3] += (double)r[i] * (double)r[i];
+    return finish(lanes);
 }
 
-static inline float load_act(const char *p, int dt, int64_t i) {
-    return dt == F32 ? ((const float *)p)[i] : (float)bf16_to_double(((const uint16_t *)p)[i]);
-}
-
-/* v rounded to the activation dtype and back (identity for fp32). */
-static inline float round_act(int dt, float v) {
-    return dt == BF16 ? (float)bf16_to_double(float_to_bf16(v)) : v;
-}
-
-static inline void store_act(char *p, int dt, int64_t i, float v) {
-    if (dt == F32) ((float *)p)[i] = v;
-    else ((uint16_t *)p)[i] = float_to_bf16(v);
-}
-
-/* RMSNorm of T rows of H (dt = F32 or BF16, rows contiguous): r = x (+ residual, added in
- * dt); var = contract_dot(r, r) (the lane order of dot64) / H; inv = 1 / sqrt(var + eps);
- * out = dt(dt(r * inv) * w), every step an IEEE fp32 operation rounded as torch rounds it,
- * so the same bits as reference/norm.py's torch steps, which autograd uses instead. r is
- * written to res_out when residual is given. */
+/* native.h norm_rows with this file's sum of squares. */
 void rms_norm_rows(int64_t T, int64_t H, int dt, const char *x, int64_t sx, const char *res, int64_t sres,
                    const char *w, float eps, char *out, char *res_out) {
-    const int64_t e = ELEM[dt], hp = (H + 3) & ~(int64_t)3;
-    float *r = (float *)scratch((size_t)hp);             /* fp32 row (a double-sized buffer) */
-    for (int64_t t = 0; t < T; t++) {
-        const char *xr = x + t * sx * e;
-        v4d lanes = {0, 0, 0, 0};
-        for (int64_t i = 0; i < hp; i++) {
-            float v = 0.0f;
-            if (i < H) {
-                v = load_act(xr, dt, i);
-                if (res) {
-                    v = round_act(dt, v + load_act(res + t * sres * e, dt, i));
-                    store_act(res_out + t * H * e, dt, i, v);
-                }
-                r[i] = v;
-            }
-            lanes[i & 3] += (double)v * (double)v;
-        }
-        const float var = finish(lanes) / (float)H;
-        const float inv = 1.0f / sqrtf(var + eps);
-        for (int64_t i = 0; i < H; i++) {
-            store_act(out + t * H * e, dt, i, round_act(dt, r[i] * inv) * load_act(w, dt, i));
-        }
-    }
+    norm_rows(sumsq64, 4, T, H, dt, x, sx, res, sres, w, eps, out, res_out);
 }
 
 /* out = 1 / sqrt(x) in fp32 with IEEE sqrt and division (torch's CPU sqrt is not correctly
@@ -297,7 +222,7 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
     const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
     const int64_t dp = (D + 3) & ~(int64_t)3, eq = ELEM[tq], ekv = ELEM[tkv];
     const size_t need = (size_t)(R * dp + KVB * dp + KVB * dp + R * KVB + 4) * 2 + (size_t)(R * (dp + 2)) + 8;
-    double *buf = scratch(need);
+    double *buf = scratch_bytes(need * sizeof(double));
     if (!buf) return -1;
     double *qb = buf, *kb = qb + R * dp, *vb = kb + KVB * dp, *pb = vb + KVB * dp;
     float *sb = (float *)(pb + R * KVB), *pv = sb + R * KVB, *mrow = pv + R * dp, *lrow = mrow + R;

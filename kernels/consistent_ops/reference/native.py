@@ -22,6 +22,7 @@ import torch
 from ..contract import CPU_ACCUMULATION, CPU_ACCUMULATION_DEFAULT, CPU_ACCUMULATION_ENV, KV_BLOCK
 
 SOURCES = [Path(__file__).with_name("dot64.c"), Path(__file__).with_name("dot32.c")]
+HEADER = Path(__file__).with_name("native.h")                      # included by both
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
 LIBS = ["-lm"]
 DTYPES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
@@ -41,7 +42,7 @@ def _cpu_flags() -> str:
 
 def _build() -> Path:
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join([cc] + CFLAGS).encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + [HEADER]) + " ".join([cc] + CFLAGS).encode()
                          + platform.machine().encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("CONSISTENT_OPS_CACHE", Path.home() / ".cache" / "consistent_ops"))
     lib = cache / f"dot64-{key}.so"

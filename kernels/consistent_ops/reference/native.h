@@ -1,0 +1,87 @@
+/* What dot64.c and dot32.c share: operand dtypes, per-thread scratch, bf16 conversions as
+ * torch rounds them, prefetch hints. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F64 = 0, F32 = 1, BF16 = 2 };
+
+static const int64_t ELEM[] = {8, 4, 2};
+
+/* One growing buffer per thread (and per kernel file) for widened rows: never freed, so no
+ * allocation per call. */
+static void *scratch_bytes(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        cap = buf ? bytes : 0;
+    }
+    return buf;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* fp32 -> bf16 as torch rounds it (nearest even; NaN -> 0x7FC0). */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float load_act(const char *p, int dt, int64_t i) {
+    return dt == F32 ? ((const float *)p)[i] : bf16_to_float(((const uint16_t *)p)[i]);
+}
+
+/* v rounded to the activation dtype and back (identity for fp32). */
+static inline float round_act(int dt, float v) { return dt == BF16 ? bf16_to_float(float_to_bf16(v)) : v; }
+
+static inline void store_act(char *p, int dt, int64_t i, float v) {
+    if (dt == F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = float_to_bf16(v);
+}
+
+/* Rows of an operand can be scattered (strided views, KV pages): ask for the row PREFETCH
+ * ahead while widening this one. Hints only; bits are unaffected. */
+enum { PREFETCH = 8 };
+
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
+/* RMSNorm of T rows of H (dt = F32 or BF16, rows contiguous): r = x (+ residual, added in
+ * dt, written to res_out); var = sumsq(r zero-padded to a multiple of lanes) / H, the
+ * contract_dot(r, r) of the calling kernel; inv = 1 / sqrt(var + eps);
+ * out = dt(dt(r * inv) * w), every step an IEEE fp32 operation rounded as torch rounds it,
+ * so the same bits as reference/norm.py's torch steps, which autograd uses instead. */
+static void norm_rows(float (*sumsq)(const float *, int64_t), int64_t lanes, int64_t T, int64_t H, int dt,
+                      const char *x, int64_t sx, const char *res, int64_t sres, const char *w, float eps,
+                      char *out, char *res_out) {
+    const int64_t e = ELEM[dt], hp = (H + lanes - 1) / lanes * lanes;
+    float *r = scratch_bytes((size_t)hp * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        const char *xr = x + t * sx * e;
+        for (int64_t i = 0; i < hp; i++) {
+            float v = 0.0f;
+            if (i < H) {
+                v = load_act(xr, dt, i);
+                if (res) {
+                    v = round_act(dt, v + load_act(res + t * sres * e, dt, i));
+                    store_act(res_out + t * H * e, dt, i, v);
+                }
+            }
+            r[i] = v;
+        }
+        const float var = sumsq(r, hp) / (float)H;
+        const float inv = 1.0f / sqrtf(var + eps);
+        for (int64_t i = 0; i < H; i++) store_act(out + t * H * e, dt, i, round_act(dt, r[i] * inv) * load_act(w, dt, i));
+    }
+}
