@@ -170,7 +170,10 @@ CPU_ACCUMULATION = {
         "attention": (
             "CPU: one native pass per (sequence, KV head) over K/V blocks (reference/dot32.c attend32), "
             "q.k and p.v (p fp32) in these lanes, row sums of p in the same 16 lanes by fp32 adds and the "
-            "same tree, exp from libm in fp64 rounded to fp32; sqrt: IEEE (libm sqrtf)"),
+            "same tree; exp(x): NaN -> NaN, x < -104 -> 0, x clamped to <= 89, in fp64: n = rint(x log2 e), "
+            "r = fma(-n, ln2_lo, fma(-n, ln2_hi, x)) (fdlibm's ln2 split), degree-13 Taylor polynomial of "
+            "exp(r) by fma Horner, times 2^n, rounded to fp32 (dot32.c exp32_rows; exp(0) = 1); "
+            "sqrt: IEEE (libm sqrtf)"),
     },
 }
 
