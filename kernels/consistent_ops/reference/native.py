@@ -2,11 +2,11 @@
 
 Which of the two realisations runs (contract.CPU_ACCUMULATION: fp32 lanes with FMA, or fp64
 lanes) is ``accumulation()``, read from $CONSISTENT_OPS_CPU_ACCUMULATION; fp64 operands always
-take the fp64 kernel (their products are exact only there). The C sources are compiled with the system C compiler on first use into
-``$CONSISTENT_OPS_CACHE`` (default ``~/.cache/consistent_ops``), keyed by the source, the
-flags and the CPU's feature flags, and loaded with ctypes in every process (vLLM workers
-too). The bits do not depend on the build: the kernel's order is explicit and
-floating-point contraction is off.
+take the fp64 kernel (their products are exact only there). The C sources are compiled with
+the system C compiler on first use into ``$CONSISTENT_OPS_CACHE`` (default
+``~/.cache/consistent_ops``), keyed by the sources, the flags and the CPU's feature flags, and
+loaded with ctypes in every process (vLLM workers too). The bits do not depend on the build:
+the kernels' order is explicit and floating-point contraction is off.
 """
 import ctypes
 import hashlib
@@ -133,6 +133,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
 
 def _matmul(a, b, rows, kernel):
     a, b = _operand(a), _operand(b)
+    if kernel == "32" and torch.float64 in (a.dtype, b.dtype):
+        raise TypeError("dot32_matmul: fp64 operands would be rounded; use dot64_matmul (or matmul)")
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     if rows is None and b.dim() == 2 and a.dim() > 2:   # a shared matrix: fold a's batch into M
         return _matmul(a.reshape(-1, k), b, None, kernel).reshape(*a.shape[:-1], n)
