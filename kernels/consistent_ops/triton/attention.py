@@ -12,8 +12,9 @@ position p is stored). A row's bits depend on its q, its position and the keys o
   a tile that walks further for its later rows leaves earlier rows' bits unchanged.
 The softmax runs in base 2 (contract.ACCUMULATION["triton"]). The backward (training
 only) recomputes p from the saved base-2 log-sum-exp with the same masks; dK/dV are
-accumulated by the program that owns the key block, over query tiles in ascending order, and dQ by the program that owns the query tile, over key
-blocks in ascending order: no atomics, so gradients are run-to-run deterministic.
+accumulated by the program that owns the key block, over query tiles in ascending order,
+and dQ by the program that owns the query tile, over key blocks in ascending order: no
+atomics, so gradients are run-to-run deterministic.
 """
 import math
 
