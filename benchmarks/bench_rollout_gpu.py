@@ -159,6 +159,18 @@ def _wall_ms(fn, reps=3):
     return sorted(times)[len(times) // 2]
 
 
+def _print_top_kernels(fn, what, rows=12):
+    """Where the device time of one eager call goes (kernels by total device time)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"# device time of {what}, by kernel:", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70),
+          flush=True)
+
+
 def _chunk_device_ms(model, toks, chunk, ctx):
     """One prefill chunk (ctx tokens already cached) as a graph replay: its device time,
     to tell the host's launch cost in the eager numbers apart."""
@@ -171,7 +183,7 @@ def _chunk_device_ms(model, toks, chunk, ctx):
         return model.compute_logits(hidden[-1:])
     with torch.no_grad():
         eager = _median_ms(run, 5)
-        run()
+        _print_top_kernels(run, f"one {chunk}-token chunk at ctx {ctx}")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
