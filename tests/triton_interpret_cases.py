@@ -168,6 +168,41 @@ def test_rms_norm_and_fused_residual():
     assert torch.equal(T.rms_norm(x[5:6], w, 1e-6), T.rms_norm(x, w, 1e-6)[5:6])
 
 
+def _norm_grads(fused, x, r, w, dy, dr):
+    xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
+    if fused:
+        y, res = T.add_rms_norm(xg, rg, wg, 1e-6)
+        ((y.float() * dy.float()).sum() + (res.float() * dr.float()).sum()).backward()
+    else:
+        (T.rms_norm(xg, wg, 1e-6).float() * dy.float()).sum().backward()
+    return xg.grad, rg.grad, wg.grad
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_backward_vs_float64_and_deterministic(fused):
+    """The backward kernel (dx, + the fused residual's gradient) and dweight's column sum."""
+    x, r, dy, dr = (rand(33, 96, seed=s) for s in (20, 21, 22, 23))
+    w = torch.rand(96, generator=torch.Generator().manual_seed(24)) + 0.5
+    grads = _norm_grads(fused, x, r, w, dy, dr)
+    x6, r6, w6 = (t.double().requires_grad_() for t in (x, r, w))
+    s6 = x6 + r6 if fused else x6
+    y6 = s6 / torch.sqrt(s6.square().mean(-1, keepdim=True) + 1e-6) * w6
+    ((y6 * dy.double()).sum() + ((s6 * dr.double()).sum() if fused else 0)).backward()
+    assert rel(grads[0], x6.grad) < 1e-2 and rel(grads[2], w6.grad) < 1e-2
+    assert (grads[1] is not None) == fused and (not fused or torch.equal(grads[1], grads[0]))
+    assert all(a is b or torch.equal(a, b) for a, b in zip(grads, _norm_grads(fused, x, r, w, dy, dr)))
+
+
+def test_rope_backward_is_the_reference_autograd():
+    """RoPE's gradient is the forward kernel rotating back: autograd of the torch form, bit for bit."""
+    _, x, cos, sin, _ = fused_cases()
+    dy = rand(*x.shape, seed=25)
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (T.apply_rope(xg, cos, sin).float() * dy.float()).sum().backward()
+    (R.apply_rope(xr, cos, sin).float() * dy.float()).sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+
+
 def test_log_softmax_temperature_and_vocab_limit():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 9000, generator=g) * 4

@@ -145,6 +145,8 @@ def _battery(ops, model):
     ops.attention_varlen(q, k, v, cu).float().sum().backward()
     logits = torch.randn(300, vocab, requires_grad=True)
     ops.token_logprobs(logits, torch.zeros(300, dtype=torch.long), 0.7).sum().backward()
+    xn = torch.randn(300, hidden, **bf, requires_grad=True)
+    ops.add_rms_norm(xn, xn, torch.ones(hidden, **bf), 1e-6)[0].float().sum().backward()   # norm backward
     with torch.no_grad():
         ops.attention_varlen(q, k, v, cu)                  # prefill without cache
         # rollout: paged KV cache (pages of 128: the flash-attention-npu page size), decode + chunks
