@@ -14,6 +14,9 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from consistent_ops.triton import common, gemm, logprobs, norm  # noqa: E402
+from interpreter_bf16 import fix_interpreter_bf16  # noqa: E402
+
+fix_interpreter_bf16()                     # real bf16 dots and casts, as on the device
 
 side, out = sys.argv[1], sys.argv[2]
 if side == "ascend":   # the interpreter looks module globals up when a kernel runs
