@@ -303,6 +303,7 @@ def _plan(ids, local, n_local, bm):
 
 
 def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, every=False, cfg=None):
+    # every: only the backward formula uses it (the kernels store every slot either way)
     t, k = ids.shape
     n_local, hidden, inter = wd.shape
     bm, gate_up, down = cfg or _moe_config(t * k)

@@ -73,7 +73,8 @@ class Experts(nn.Module):
     ``down_proj`` [L, H, I], for the contiguous expert ids ``local``. The grouped kernels
     read the stacks in place, forward and backward (consistent_ops.ExpertStack)."""
 
-    _HALF = {"gate": 0, "up": 1}
+    _HALF = {"gate": 0, "up": 1}                                   # rows of gate_up_proj
+    _PARTS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 
     def __init__(self, local, hidden, inter, dtype):
         super().__init__()
@@ -88,8 +89,6 @@ class Experts(nn.Module):
     def weight_loader(self, param, full):
         """A stacked tensor of ALL experts [E, ...] (the trainer's state_dict): this rank's rows."""
         _write(param, full[self.local[0]:self.local[-1] + 1])
-
-    _PARTS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 
     def load_expert(self, expert, part, tensor):
         """One expert's ``{gate,up,down}_proj.weight`` (HF checkpoint names): written into its
