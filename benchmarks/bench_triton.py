@@ -132,7 +132,8 @@ def moe():
     h, inter, e, topk = 2048, 768, 128, 8
     wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
     wd = rand(e, h, inter, scale=inter ** -0.5)
-    w_gu_t = torch.cat([wg, wu], 1).transpose(1, 2)          # [E, H, 2I] as HF stores gate_up
+    w_gate_up = torch.cat([wg, wu], 1)                         # [E, 2I, H]: the model's (and HF's) stack
+    w_gu_t = w_gate_up.transpose(1, 2)
     wd_t = wd.transpose(1, 2)
     experts = {i: (wg[i], wu[i], wd[i]) for i in range(e)}
     for t in (1024, 8192):
@@ -140,7 +141,7 @@ def moe():
         ids, w = co.moe_route(x, rand(e, h, scale=h ** -0.5), topk)
 
         def ours():
-            contrib, _ = tmoe.grouped_expert_contributions(x, ids, w, wg, wu, wd, range(e))
+            contrib, _ = tmoe.grouped_expert_contributions(x, ids, w, w_gate_up, wd, range(e), every=True)
             return co.moe_combine(contrib, BF16)
 
         def stock():          # HF-style: sort by expert, grouped_mm, SiLU*up, grouped_mm, index_add
@@ -157,10 +158,10 @@ def moe():
         ms = bench(ours)
         record("moe", f"experts T={t} E={e} top{topk}", ms, {"grouped_mm": bench(stock)},
                f"{flops / ms / 1e9:.0f} TFLOP/s", ">= 1.0x")
-        def public_api():
-            with torch.inference_mode():    # the rollout's mode: stacks cached (training restacks per call)
+        def public_api():     # what the Megatron spec passes: stacked per call
+            with torch.inference_mode():
                 return co.moe_combine(co.moe_expert_contributions(x, ids, w, experts)[0], BF16)
-        record("moe", f"  + public API (per-expert tensors, stack cache) T={t}", bench(public_api),
+        record("moe", f"  + public API (per-expert tensors, stacked per call) T={t}", bench(public_api),
                {"grouped_mm": bench(stock)})
 
 
@@ -204,7 +205,7 @@ def actor_profile():
     tokens = 4096
     ids = torch.randint(0, 151643, (tokens,), device=DEV)
     pos = torch.arange(tokens, device=DEV)
-    model = build_model(layers=4, stacked=False)
+    model = build_model(layers=4)
 
     def step():
         logits = model.forward_packed(ids, pos)
@@ -356,7 +357,7 @@ def probe_moe():
     """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included, graph replays) at T tokens,
     and whether the contributions equal the first entry's bit for bit."""
     h, inter, e, topk = 2048, 768, 128, 8
-    wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
+    w_gate_up = torch.cat([rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)], 1)
     wd = rand(e, h, inter, scale=inter ** -0.5)
     local = list(range(e))
     for t in (1, 8, 64, 256, 1024, 8192):         # 1 .. 256: decode batches
@@ -366,7 +367,7 @@ def probe_moe():
         for bm, gu, dn in MOE_PROBE:
             cfg = _moe_cfg(bm, gu, dn)
             try:
-                run = lambda: tmoe._grouped_kernel(x, w, wg, wu, wd, ids=ids, local=local, cfg=cfg)  # noqa: E731
+                run = lambda: tmoe._grouped_kernel(x, w, w_gate_up, wd, ids=ids, local=local, cfg=cfg)  # noqa: E731
                 out = run()[0]
                 base = out if base is None else base
                 ms = _graph_ms(run)          # graph replays: the plan is capturable

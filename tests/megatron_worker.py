@@ -120,7 +120,7 @@ def train_step_check(path):
         "linear_proj": (mp[L + "self_attention.linear_proj.weight"].grad,
                         g["model.layers.0.self_attn.o_proj.weight"].chunk(tp, 1)[me]),
         "expert_fc2": (mp[L + "mlp.experts.local_experts.1.linear_fc2.weight"].grad,
-                       g[f"model.layers.0.mlp.experts.{first + 1}.down_proj.weight"]),
+                       g["model.layers.0.mlp.experts.down_proj"][first + 1]),
         "output_layer": (mp["output_layer.weight"].grad, g["lm_head.weight"].chunk(tp, 0)[me]),
         "embedding": (mp["embedding.word_embeddings.weight"].grad, g["model.embed_tokens.weight"].chunk(tp, 0)[me]),
     }

@@ -11,17 +11,12 @@ decode steps route and compute alike. The tile table is built on the device: no 
 Slots whose expert is not local get zero tiles (the down kernel stores zeros there), so
 the contribution buffer is never zero-filled separately.
 
-The model keeps per-expert parameters; the grouped kernels want them stacked. Under
-inference mode (the rollout engine) the stacked copies are cached, keyed on the tensors'
-identity (weak references) and version counters, so an in-place weight load restacks.
-Elsewhere (training) they are stacked per call: FSDP2 refills its unsharded parameters in
-place without bumping their versions (tests/test_weight_cache.py), so a cached stack
-would go stale after an optimizer step. Under autograd the stack is one Function whose
-backward hands each expert its slice.
+The model keeps its experts stacked (consistent_ops.ExpertStack: transformers 5's
+gate_up_proj / down_proj) and the kernels read the stacks as they are, gate and up as
+strided views of gate_up: no restacking per forward, and under autograd the backward's
+grouped GEMMs hand the two stacks their gradients directly. A plain mapping of per-expert
+tensors (the Megatron spec, the probe) is stacked per call with torch.stack (differentiable).
 """
-import operator
-import weakref
-
 import torch
 import triton
 import triton.language as tl
@@ -307,9 +302,10 @@ def _plan(ids, local, n_local, bm):
     return plan, key, n_tiles
 
 
-def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
+def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, every=False, cfg=None):
+    # every: only the backward formula uses it (the kernels store every slot either way)
     t, k = ids.shape
-    n_local, inter, hidden = wg.shape[0], wg.shape[1], wg.shape[2]
+    n_local, hidden, inter = wd.shape
     bm, gate_up, down = cfg or _moe_config(t * k)
 
     def fits(gu, dn):
@@ -327,7 +323,9 @@ def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     contrib = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)   # every slot stored
     tiles = (plan["tile_e"], plan["row0"], plan["row_end"])
-    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    wd = wd if wd.stride(-1) == 1 else wd.contiguous()
+    wg, wu = w_gate_up[:, :inter], w_gate_up[:, inter:]     # views: the kernel reads the stack in place
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, plan["order"], *tiles, wg, wu, h, hidden, k, n_local,
         x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, **EXACT)
@@ -337,95 +335,47 @@ def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
     return contrib.view(t, k, hidden), (key < n_local).view(t, k)
 
 
-def _grouped_formula(x, weights, wg, wu, wd, *, ids, local):
-    """Differentiable equivalent for the backward: torch._grouped_mm over the same groups."""
+def _grouped_formula(x, weights, w_gate_up, wd, *, ids, local, every=False):
+    """Differentiable equivalent for the backward: torch._grouped_mm over the same groups,
+    gate and up in one product over the stack (its gradient is one [L, 2I, H] tensor).
+    every: each (token, slot) has a local expert, so all t*k rows are taken without a
+    count from the device (otherwise that count is one host sync)."""
     t, k = ids.shape
-    plan, key, _ = _plan(ids, local, wg.shape[0], _moe_config(t * k)[0])
-    counts = torch.bincount(key, minlength=wg.shape[0] + 1)[:wg.shape[0]]     # backward: a sync is fine
-    sel = plan["order"].long()[: int(counts.sum())]
+    n_local, inter = wd.shape[0], wd.shape[-1]
+    plan, key, _ = _plan(ids, local, n_local, _moe_config(t * k)[0])
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))[:n_local]                  # bincount without its size sync
+    sel = plan["order"].long()
+    if not every:
+        sel = sel[: int(counts.sum())]
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    xs = x[sel // k]
-    g = torch._grouped_mm(xs, wg.transpose(1, 2), offs)
-    u = torch._grouped_mm(xs, wu.transpose(1, 2), offs)
-    y = torch._grouped_mm(_silu_mul_torch(g, u), wd.transpose(1, 2), offs).float()
+    gu = torch._grouped_mm(x[sel // k], w_gate_up.transpose(1, 2), offs)
+    y = torch._grouped_mm(_silu_mul_torch(gu[:, :inter], gu[:, inter:]), wd.transpose(1, 2), offs).float()
     y = y * weights.reshape(-1)[sel, None]
     contrib = torch.zeros((t * k, wd.shape[1]), dtype=torch.float32, device=x.device).index_put((sel,), y)
-    return contrib.view(t, k, -1), (key < wg.shape[0]).view(t, k)
+    return contrib.view(t, k, -1), (key < n_local).view(t, k)
 
 
-def grouped_expert_contributions(x, ids, weights, wg, wu, wd, local_ids):
-    """Stacked-weight form: wg, wu [L, I, H], wd [L, H, I] for the experts local_ids (L ints)."""
-    return with_torch_grad(_grouped_kernel, _grouped_formula, (x, weights, wg, wu, wd),
-                           ids=ids, local=[int(e) for e in local_ids])
-
-
-class _Stack(torch.autograd.Function):
-    """(wg, wu, wd) stacked from 3*L per-expert tensors; backward: each its slice."""
-
-    @staticmethod
-    def forward(ctx, n, *flat):
-        return tuple(s.detach() for s in _stacked(flat, n))   # aliases of the cached stacks
-
-    @staticmethod
-    def backward(ctx, *grads):
-        need = ctx.needs_input_grad[1:]
-        n = len(need) // 3
-        out = [None]
-        for g in grads:
-            out += g.unbind(0) if g is not None else [None] * n
-        if not all(need):
-            out = [gi if nd else None for gi, nd in zip(out, (False,) + tuple(need))]
-        return tuple(out)
-
-
-_STACKS = {}                  # (id of first tensor, L) -> (weakrefs, versions, stacks, nbytes)
-_STACK_CACHE_BYTES = 16 << 30  # at most this much is cached (then: stacked per call, as before)
-_VERSION = operator.attrgetter("_version")
-_DEREF = weakref.ref.__call__
-
-
-def _stack3(flat, n):
-    with torch.no_grad():
-        return tuple(torch.stack(flat[i * n:(i + 1) * n]) for i in range(3))
-
-
-def _stacked(flat, n):
-    """torch.stack of flat[0:n], flat[n:2n], flat[2n:3n]; under inference mode cached while
-    every tensor is the same object at the same version (weak references: a freed tensor's
-    id cannot alias). The checks are C-level maps: a few tens of microseconds for 384 tensors."""
-    if not torch.is_inference_mode_enabled() or flat[0].is_inference():   # see the module doc
-        return _stack3(flat, n)
-    key = (id(flat[0]), n)
-    hit = _STACKS.get(key)
-    if hit is not None:
-        refs, versions, stacks, _ = hit
-        if all(map(operator.is_, map(_DEREF, refs), flat)) and versions == list(map(_VERSION, flat)):
-            return stacks
-        del _STACKS[key]
-    stacks = _stack3(flat, n)
-    nbytes = sum(s.numel() * s.element_size() for s in stacks)
-    for k in [k for k, v in _STACKS.items() if any(r() is None for r in v[0])]:
-        del _STACKS[k]                              # entries of freed tensors
-    if sum(v[3] for v in _STACKS.values()) + nbytes <= _STACK_CACHE_BYTES:
-        _STACKS[key] = (list(map(weakref.ref, flat)), list(map(_VERSION, flat)), stacks, nbytes)
-    return stacks
+def grouped_expert_contributions(x, ids, weights, w_gate_up, wd, local_ids, every=False):
+    """Stacked-weight form: w_gate_up [L, 2I, H] (gate rows, then up rows), wd [L, H, I] for
+    the experts local_ids (L ints), read in place; every: ids name local experts only (the
+    backward then needs no host sync)."""
+    return with_torch_grad(_grouped_kernel, _grouped_formula, (x, weights, w_gate_up, wd),
+                           ids=ids, local=[int(e) for e in local_ids], every=every)
 
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32 (zeros for slots whose expert is not local) and owned [T, k].
-    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]). An ExpertStack is read as it
-    is (the rollout); other experts are stacked for the grouped kernels (cached while the
-    tensors are unchanged, see the module doc)."""
+    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]); local_experts None: every
+    expert is local. An ExpertStack is read as it is (see the module doc); other experts
+    are stacked per call."""
     local = list(range(len(experts))) if local_experts is None else sorted(int(e) for e in local_experts)
-    if isinstance(experts, ExpertStack) and experts.local == local:   # the stacks as they are
-        return grouped_expert_contributions(x, ids, weights, experts.gate, experts.up, experts.down, local)
+    every = local_experts is None
+    if isinstance(experts, ExpertStack) and experts.local == local:
+        return grouped_expert_contributions(x, ids, weights, experts.gate_up, experts.down, local, every)
     g, u, d = zip(*map(experts.__getitem__, local))
-    flat = g + u + d
-    if torch.is_grad_enabled() and any(map(operator.attrgetter("requires_grad"), flat)):
-        wg, wu, wd = _Stack.apply(len(local), *flat)
-    else:
-        wg, wu, wd = _stacked(flat, len(local))
-    return grouped_expert_contributions(x, ids, weights, wg, wu, wd, local)
+    return grouped_expert_contributions(x, ids, weights, torch.cat([torch.stack(g), torch.stack(u)], 1),
+                                        torch.stack(d), local, every)
 
 
 @triton.jit
