@@ -165,35 +165,55 @@ def moe():
                {"grouped_mm": bench(stock)})
 
 
+def _actor_ms(model, step, ids, pos):
+    """Median ms of one fwd+bwd step, and the step's peak memory above the weights (GB)."""
+    params = list(model.parameters())
+    ms = bench(lambda: step(model, ids, pos), rep=3000, grad_to_none=params)
+    torch.cuda.synchronize()
+    for p in params:
+        p.grad = None
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(model, ids, pos)
+    torch.cuda.synchronize()
+    return ms, (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def _ours_step(model, ids, pos):
+    logits = model.forward_packed(ids, pos)
+    (-co.token_logprobs(logits[:-1], ids[1:]).mean()).backward()
+
+
+def _hf_step(hf, ids, pos):
+    logits = hf(ids[None], position_ids=pos[None]).logits.float()[0]
+    lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])
+    (-lp.mean()).backward()
+
+
 def actor_step():
+    """4 layers as the kernel bench (vs HF eager and sdpa), and 8 layers with gradient
+    checkpointing (what verl runs) vs HF sdpa, with each step's peak memory."""
     from harness import build_hf_model, build_model
     tokens = 4096
     ids = torch.randint(0, 151643, (tokens,), device=DEV)
     pos = torch.arange(tokens, device=DEV)
-    model = build_model(layers=4)
-    params = list(model.parameters())
-
-    def ours():
-        logits = model.forward_packed(ids, pos)
-        (-co.token_logprobs(logits[:-1], ids[1:]).mean()).backward()
-
-    ours_ms = bench(ours, rep=3000, grad_to_none=params)
-    del model, params
-    torch.cuda.empty_cache()
-    stock = {}
-    for attn in ("eager", "sdpa"):
-        hf = build_hf_model(layers=4, attn=attn)
-        hp = list(hf.parameters())
-
-        def run():
-            logits = hf(ids[None], position_ids=pos[None]).logits.float()[0]
-            lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])
-            (-lp.mean()).backward()
-
-        stock[f"HF-{attn}"] = bench(run, rep=3000, grad_to_none=hp)
-        del hf, hp
+    for layers, recompute, attns in ((4, False, ("eager", "sdpa")), (8, True, ("sdpa",))):
+        model = build_model(layers=layers)
+        model.model.gradient_checkpointing = recompute
+        ours_ms, ours_gb = _actor_ms(model, _ours_step, ids, pos)
+        del model
         torch.cuda.empty_cache()
-    record("actor", f"4-layer fwd+bwd {tokens} tokens", ours_ms, stock, goal=">= 1.2x (vs HF eager)")
+        stock, peaks = {}, {}
+        for attn in attns:
+            hf = build_hf_model(layers=layers, attn=attn)
+            if recompute:
+                hf.gradient_checkpointing_enable()
+            stock[f"HF-{attn}"], peaks[attn] = _actor_ms(hf, _hf_step, ids, pos)
+            del hf
+            torch.cuda.empty_cache()
+        memory = f"peak above weights: ours {ours_gb:.1f} GB, " + ", ".join(f"HF-{a} {g:.1f} GB" for a, g in peaks.items())
+        record("actor", f"{layers}-layer fwd+bwd {tokens} tokens{' (grad ckpt)' if recompute else ''}", ours_ms,
+               stock, memory, goal=">= 1.0x HF sdpa")
 
 
 def actor_profile():
