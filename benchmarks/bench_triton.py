@@ -234,7 +234,7 @@ def actor_profile():
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     events = prof.key_averages()
@@ -242,6 +242,8 @@ def actor_profile():
     print(f"actor profile: {launches} kernel launches per step")
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=16,
+                                                             max_name_column_width=40, max_shapes_column_width=70))
     del model
 
 

@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from ..experts import ExpertStack
-from ..reference import moe as ref_moe
 from ..reference.pointwise import silu_mul as _silu_mul_torch
 from .autograd import with_torch_grad
 from .common import ASCEND as _ASCEND, EXACT, INTERPRET as _INTERPRET, exp32
@@ -302,8 +301,7 @@ def _plan(ids, local, n_local, bm):
     return plan, key, n_tiles
 
 
-def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, every=False, cfg=None):
-    # every: only the backward formula uses it (the kernels store every slot either way)
+def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None):
     t, k = ids.shape
     n_local, hidden, inter = wd.shape
     bm, gate_up, down = cfg or _moe_config(t * k)
@@ -335,33 +333,85 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, every=False, cfg=N
     return contrib.view(t, k, hidden), (key < n_local).view(t, k)
 
 
-def _grouped_formula(x, weights, w_gate_up, wd, *, ids, local, every=False):
-    """Differentiable equivalent for the backward: torch._grouped_mm over the same groups,
-    gate and up in one product over the stack (its gradient is one [L, 2I, H] tensor).
-    every: each (token, slot) has a local expert, so all t*k rows are taken without a
-    count from the device (otherwise that count is one host sync)."""
+def _groups(ids, local, n_local, every):
+    """(token, slot) rows of the local experts grouped by expert (the forward plan's order)
+    and the groups' end offsets. every: each slot has a local expert, so all t*k rows are
+    taken without a count from the device (otherwise that count is one host sync)."""
     t, k = ids.shape
-    n_local, inter = wd.shape[0], wd.shape[-1]
     plan, key, _ = _plan(ids, local, n_local, _moe_config(t * k)[0])
     counts = torch.zeros(n_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
         0, key, torch.ones_like(key))[:n_local]                  # bincount without its size sync
     sel = plan["order"].long()
     if not every:
         sel = sel[: int(counts.sum())]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    gu = torch._grouped_mm(x[sel // k], w_gate_up.transpose(1, 2), offs)
-    y = torch._grouped_mm(_silu_mul_torch(gu[:, :inter], gu[:, inter:]), wd.transpose(1, 2), offs).float()
-    y = y * weights.reshape(-1)[sel, None]
-    contrib = torch.zeros((t * k, wd.shape[1]), dtype=torch.float32, device=x.device).index_put((sel,), y)
-    return contrib.view(t, k, -1), (key < n_local).view(t, k)
+    return sel, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def _weight_grad(dy, xs, offs):
+    """Per-group dy^T @ xs -> [L, N, K]. The grouped GEMM needs the row count in 16-byte
+    strides: rows are padded with zeros (into the last group, adding nothing) when short."""
+    pad = -dy.shape[0] % 8
+    if pad:
+        dy, xs = (torch.cat([m, m.new_zeros(pad, m.shape[1])]) for m in (dy, xs))
+        offs = torch.cat([offs[:-1], offs[-1:] + pad])
+    return torch._grouped_mm(dy.t(), xs, offs)
+
+
+def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, d_contrib):
+    """Gradients of contrib[r] = w_r * down(silu_mul(gate(x), up(x))) for the rows r of the
+    local experts, with torch._grouped_mm over the forward's groups: gate/up recomputed
+    once (one product over the stack), nothing else (dw_r = <dC_r, y_r> = <dC_r @ Wd, h_r>).
+    Each token's gradient sums its slots in slot order: no atomics, deterministic."""
+    t, k = ids.shape
+    inter = wd.shape[-1]
+    sel, offs = _groups(ids, local, wd.shape[0], every)
+    xs = x[sel // k]
+    gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs)
+    g, u = gu[:, :inter].float(), gu[:, inter:].float()
+    h = _silu_mul_torch(gu[:, :inter], gu[:, inter:])           # the forward's h
+    dc = d_contrib[sel // k, sel % k]                           # rows of a view (see _Combine)
+    dhw = torch._grouped_mm(dc.to(x.dtype), wd, offs).float()   # dC @ Wd: [R, I]
+    wr = weights.reshape(-1)[sel].float()[:, None]
+    d_weights = torch.zeros(t * k, dtype=torch.float32, device=x.device).index_put(
+        (sel,), (dhw * h.float()).sum(-1))
+    d_wd = _weight_grad((dc * wr).to(x.dtype), h, offs)
+    dh = dhw * wr
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    d_gu = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], -1).to(x.dtype)
+    d_wgu = _weight_grad(d_gu, xs, offs)
+    d_slots = torch.zeros((t * k, x.shape[-1]), dtype=x.dtype, device=x.device).index_put(
+        (sel,), torch._grouped_mm(d_gu, w_gate_up, offs))
+    d_x = d_slots.view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    return d_x, d_weights.view(weights.shape).to(weights.dtype), d_wgu, d_wd
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """Forward: the grouped kernels (the contract's bits). Backward: _grouped_backward."""
+
+    @staticmethod
+    def forward(ctx, x, weights, w_gate_up, wd, ids, local, every):
+        contrib, owned = _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local)
+        ctx.save_for_backward(x, weights, w_gate_up, wd, ids)
+        ctx.local, ctx.every = local, every
+        ctx.mark_non_differentiable(owned)
+        return contrib, owned
+
+    @staticmethod
+    def backward(ctx, d_contrib, _):
+        x, weights, w_gate_up, wd, ids = ctx.saved_tensors
+        grads = _grouped_backward(x, weights, w_gate_up, wd, ids, ctx.local, ctx.every, d_contrib)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
 
 
 def grouped_expert_contributions(x, ids, weights, w_gate_up, wd, local_ids, every=False):
     """Stacked-weight form: w_gate_up [L, 2I, H] (gate rows, then up rows), wd [L, H, I] for
     the experts local_ids (L ints), read in place; every: ids name local experts only (the
     backward then needs no host sync)."""
-    return with_torch_grad(_grouped_kernel, _grouped_formula, (x, weights, w_gate_up, wd),
-                           ids=ids, local=[int(e) for e in local_ids], every=every)
+    local = [int(e) for e in local_ids]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate_up, wd)):
+        return _GroupedExperts.apply(x, weights, w_gate_up, wd, ids, local, every)
+    return _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local)
 
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
@@ -400,7 +450,23 @@ def _combine(contrib, out_dtype):
     return out
 
 
+class _Combine(torch.autograd.Function):
+    """The gradient of a sum over slots is the output's gradient broadcast to every slot: an
+    expanded view (no [T, k, H] buffer is written; the experts' backward gathers its rows)."""
+
+    @staticmethod
+    def forward(ctx, contrib, out_dtype):
+        ctx.shape, ctx.dtype = contrib.shape, contrib.dtype
+        return _combine(contrib, out_dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return d_out.to(ctx.dtype).unsqueeze(1).expand(ctx.shape), None
+
+
 def moe_combine(contrib, out_dtype):
-    """Slot order 0..k-1, fp32 elementwise adds, one rounding (one kernel; the reference's
-    torch adds, which give the same bits, supply the gradient)."""
-    return with_torch_grad(_combine, ref_moe.moe_combine, (contrib,), out_dtype=out_dtype)
+    """Slot order 0..k-1, fp32 elementwise adds, one rounding (one kernel, the bits of the
+    reference's torch adds)."""
+    if torch.is_grad_enabled() and contrib.requires_grad:
+        return _Combine.apply(contrib, out_dtype)
+    return _combine(contrib, out_dtype)
