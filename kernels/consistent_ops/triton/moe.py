@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from ..experts import ExpertStack
-from ..reference.pointwise import silu_mul as _silu_mul_torch
 from .autograd import with_torch_grad
 from .common import ASCEND as _ASCEND, EXACT, INTERPRET as _INTERPRET, exp32
 from .gemm import linear
@@ -357,28 +356,60 @@ def _weight_grad(dy, xs, offs):
     return torch._grouped_mm(dy.t(), xs, offs)
 
 
+@triton.jit
+def _act_bwd_kernel(GU, DHW, WR, Hout, DGU, DW, I, BLOCK: tl.constexpr):
+    """One (token, slot) row of the experts' activation backward, in fp32: h = silu(g) * u
+    (the forward's, rounded), dw = <dC @ Wd, h>, dh = (dC @ Wd) * w, dg = dh * u * silu'(g),
+    du = dh * silu(g). Rows are contiguous: gu [R, 2I], dC @ Wd [R, I]."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.load(WR + row)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, I, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        live = c < I
+        g = tl.load(GU + row * 2 * I + c, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * 2 * I + I + c, mask=live, other=0.0).to(tl.float32)
+        dhw = tl.load(DHW + row * I + c, mask=live, other=0.0).to(tl.float32)
+        e1 = 1.0 + exp32(-g)
+        silu = tl.div_rn(g, e1)
+        sig = tl.div_rn(1.0, e1)
+        h = (silu * u).to(Hout.dtype.element_ty)
+        tl.store(Hout + row * I + c, h, mask=live)
+        acc += dhw * h.to(tl.float32)
+        dh = dhw * w
+        tl.store(DGU + row * 2 * I + c, (dh * u * sig * (1.0 + g * (1.0 - sig))).to(DGU.dtype.element_ty),
+                 mask=live)
+        tl.store(DGU + row * 2 * I + I + c, (dh * silu).to(DGU.dtype.element_ty), mask=live)
+    tl.store(DW + row, tl.sum(acc, 0))
+
+
+def _act_backward(gu, dhw, wr):
+    """(h, d_gu, dw) of _act_bwd_kernel for R rows."""
+    rows, inter = dhw.shape
+    h, d_gu = gu.new_empty(rows, inter), torch.empty_like(gu)
+    dw = torch.empty(rows, dtype=torch.float32, device=gu.device)
+    if rows:
+        _act_bwd_kernel[(rows,)](gu, dhw, wr, h, d_gu, dw, inter, BLOCK=min(triton.next_power_of_2(inter), 1024),
+                                 num_warps=4, **EXACT)
+    return h, d_gu, dw
+
+
 def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, d_contrib):
     """Gradients of contrib[r] = w_r * down(silu_mul(gate(x), up(x))) for the rows r of the
     local experts, with torch._grouped_mm over the forward's groups: gate/up recomputed
-    once (one product over the stack), nothing else (dw_r = <dC_r, y_r> = <dC_r @ Wd, h_r>).
-    Each token's gradient sums its slots in slot order: no atomics, deterministic."""
+    once (one product over the stack), nothing else (dw_r = <dC_r, y_r> = <dC_r @ Wd, h_r>),
+    the activation's backward one kernel. Each token's gradient sums its slots in slot
+    order: no atomics, deterministic."""
     t, k = ids.shape
-    inter = wd.shape[-1]
     sel, offs = _groups(ids, local, wd.shape[0], every)
     xs = x[sel // k]
     gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs)
-    g, u = gu[:, :inter].float(), gu[:, inter:].float()
-    h = _silu_mul_torch(gu[:, :inter], gu[:, inter:])           # the forward's h
     dc = d_contrib[sel // k, sel % k]                           # rows of a view (see _Combine)
-    dhw = torch._grouped_mm(dc.to(x.dtype), wd, offs).float()   # dC @ Wd: [R, I]
-    wr = weights.reshape(-1)[sel].float()[:, None]
-    d_weights = torch.zeros(t * k, dtype=torch.float32, device=x.device).index_put(
-        (sel,), (dhw * h.float()).sum(-1))
-    d_wd = _weight_grad((dc * wr).to(x.dtype), h, offs)
-    dh = dhw * wr
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    d_gu = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], -1).to(x.dtype)
+    dhw = torch._grouped_mm(dc.to(x.dtype), wd, offs)           # dC @ Wd: [R, I]
+    wr = weights.reshape(-1)[sel].float().contiguous()
+    h, d_gu, dw = _act_backward(gu, dhw, wr)
+    d_weights = torch.zeros(t * k, dtype=torch.float32, device=x.device).index_put((sel,), dw)
+    d_wd = _weight_grad((dc * wr[:, None]).to(x.dtype), h, offs)
     d_wgu = _weight_grad(d_gu, xs, offs)
     d_slots = torch.zeros((t * k, x.shape[-1]), dtype=x.dtype, device=x.device).index_put(
         (sel,), torch._grouped_mm(d_gu, w_gate_up, offs))
