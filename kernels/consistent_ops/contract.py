@@ -122,7 +122,8 @@ ACCUMULATION = {
             "the MMA accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every "
             "path"),
         "reductions": (
-            "fp32, one row per program, tree shape a function of the row length only (RMSNorm, router "
+            "fp32, whole rows per program (RMSNorm packs rows of H < 2048 to 2048 elements a program), each row "
+            "reduced along its own axis, tree shape a function of the row length only (RMSNorm, router "
             "softmax; without autograd the router's top-k and renormalisation run in the same kernel); "
             f"log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
             f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator, then one tree sum; attention row max/sum stay "

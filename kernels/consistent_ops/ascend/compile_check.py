@@ -181,9 +181,9 @@ def main(argv=None):
               "run this through scripts/ascend_compile_check.sh", file=sys.stderr)
         return 2
     if args.cuda_constructs:
-        from ..triton import gemm, logprobs, norm
+        from ..triton import gemm, logprobs
         common.FP64_TRANSCENDENTALS = tl.constexpr(True)
-        norm.SCALAR_DIV_RN = logprobs.SCALAR_DIV_RN = tl.constexpr(True)
+        logprobs.SCALAR_DIV_RN = tl.constexpr(True)
         gemm.HALF_DOT_PRECISION = "tf32"
     compiler = Compiler()
     triton.compiler.compile = compiler      # what JITFunction.create_binder picks up
