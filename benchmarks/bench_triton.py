@@ -133,8 +133,6 @@ def moe():
     wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
     wd = rand(e, h, inter, scale=inter ** -0.5)
     w_gate_up = torch.cat([wg, wu], 1)                         # [E, 2I, H]: the model's (and HF's) stack
-    w_gu_t = w_gate_up.transpose(1, 2)
-    wd_t = wd.transpose(1, 2)
     experts = {i: (wg[i], wu[i], wd[i]) for i in range(e)}
     for t in (1024, 8192):
         x = rand(t, h)
@@ -149,8 +147,8 @@ def moe():
             order = torch.argsort(flat, stable=True)
             offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)
             tok = order // topk
-            gu = torch._grouped_mm(x[tok], w_gu_t, offs)
-            y = torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], wd_t, offs)
+            gu = torch._grouped_mm(x[tok], w_gate_up.transpose(1, 2), offs)
+            y = torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], wd.transpose(1, 2), offs)
             y = y * w.reshape(-1)[order, None].to(y.dtype)
             return torch.zeros(t, h, dtype=BF16, device=DEV).index_add_(0, tok, y)
 
@@ -163,6 +161,15 @@ def moe():
                 return co.moe_combine(co.moe_expert_contributions(x, ids, w, experts)[0], BF16)
         record("moe", f"  + public API (per-expert tensors, stacked per call) T={t}", bench(public_api),
                {"grouped_mm": bench(stock)})
+        # forward + backward (what a training step pays): gradients for x, the routing weights
+        # and both stacks, the same loss on both sides
+        leaves = [x.requires_grad_(), w.requires_grad_(), w_gate_up.requires_grad_(), wd.requires_grad_()]
+        dout = rand(t, h)
+        fwd_bwd = {name: (lambda f=f: f().backward(dout)) for name, f in (("ours", ours), ("stock", stock))}
+        record("moe", f"experts fwd+bwd T={t}", bench(fwd_bwd["ours"], grad_to_none=leaves),
+               {"grouped_mm": bench(fwd_bwd["stock"], grad_to_none=leaves)}, goal=">= 1.0x / 1.1x")
+        for leaf in leaves:
+            leaf.requires_grad_(False)
 
 
 def _actor_ms(model, step, ids, pos):
