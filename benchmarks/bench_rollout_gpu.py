@@ -184,6 +184,13 @@ def _chunk_device_ms(model, toks, chunk, ctx):
     with torch.no_grad():
         eager = _median_ms(run, 5)
         _print_top_kernels(run, f"one {chunk}-token chunk at ctx {ctx}")
+        enqueue = []
+        for _ in range(5):          # host time to issue the chunk (no sync inside it)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            enqueue.append((time.perf_counter() - t0) * 1e3)
+        print(f"# host time to issue one {chunk}-token chunk (8 layers): {sorted(enqueue)[2]:.1f} ms", flush=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
