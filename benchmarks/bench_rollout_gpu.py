@@ -190,7 +190,8 @@ def _chunk_device_ms(model, toks, chunk, ctx):
             t0 = time.perf_counter()
             run()
             enqueue.append((time.perf_counter() - t0) * 1e3)
-        print(f"# host time to issue one {chunk}-token chunk (8 layers): {sorted(enqueue)[2]:.1f} ms", flush=True)
+        print(f"# host time to issue one {chunk}-token chunk ({len(model.model.layers)} layers): "
+              f"{sorted(enqueue)[2]:.1f} ms", flush=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
