@@ -74,9 +74,9 @@ def _tile(TileE, TileRow0, TileRowEnd, Order, BM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK, NL,
+def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, GU, K, TOPK, NL,
                     stride_x, stride_we, stride_wn, stride_h,
-                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr):
     e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM)
     if (e < 0) | (e >= NL):                     # idle tile (the grid is an upper bound) or zero tile
         return
@@ -92,8 +92,14 @@ def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK
         acc_g = tl.dot(a, tl.load(wg + n[None, :] * stride_wn + (k0 + kk)[:, None]), acc_g)
         acc_u = tl.dot(a, tl.load(wu + n[None, :] * stride_wn + (k0 + kk)[:, None]), acc_u)
     # gate and up are linear outputs (rounded to dtype); silu_mul: g/(1+exp(-g)) * up in fp32
-    g = acc_g.to(Hout.dtype.element_ty).to(tl.float32)
-    u = acc_u.to(Hout.dtype.element_ty).to(tl.float32)
+    g = acc_g.to(Hout.dtype.element_ty)
+    u = acc_u.to(Hout.dtype.element_ty)
+    if SAVE_GU:  # training: gate and up as rounded, [rows, 2I] (the backward's input)
+        gu = GU + rows[:, None] * (2 * stride_h) + n[None, :]
+        tl.store(gu, g, mask=live[:, None])
+        tl.store(gu + stride_h, u, mask=live[:, None])
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     act = tl.div_rn(g, 1.0 + exp32(-g))
     tl.store(Hout + rows[:, None] * stride_h + n[None, :], (act * u).to(Hout.dtype.element_ty),
              mask=live[:, None])
@@ -300,7 +306,9 @@ def _plan(ids, local, n_local, bm):
     return plan, key, n_tiles
 
 
-def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None):
+def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=False):
+    """contrib [T, k, H], owned [T, k] (and with save_gu the rounded gate/up outputs
+    [T*k, 2I] in the plan's row order, for the backward)."""
     t, k = ids.shape
     n_local, hidden, inter = wd.shape
     bm, gate_up, down = cfg or _moe_config(t * k)
@@ -313,8 +321,9 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None):
         if not fits(gate_up, down):
             raise NotImplementedError(f"expert shapes H={hidden}, I={inter}: need multiples of 128")
     if not t:
-        return (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
-                torch.zeros((0, k), dtype=torch.bool, device=x.device))
+        out = (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
+               torch.zeros((0, k), dtype=torch.bool, device=x.device))
+        return (*out, x.new_empty(0, 2 * inter)) if save_gu else out
     plan, key, n_tiles = _plan(ids, local, n_local, bm)
     x = x.contiguous()
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
@@ -323,13 +332,15 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None):
     w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     wd = wd if wd.stride(-1) == 1 else wd.contiguous()
     wg, wu = w_gate_up[:, :inter], w_gate_up[:, inter:]     # views: the kernel reads the stack in place
+    gu = torch.empty((t * k, 2 * inter), dtype=x.dtype, device=x.device) if save_gu else h
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
-        x, plan["order"], *tiles, wg, wu, h, hidden, k, n_local,
-        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, **EXACT)
+        x, plan["order"], *tiles, wg, wu, h, gu, hidden, k, n_local,
+        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, SAVE_GU=save_gu, **EXACT)
     _down_kernel[(n_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter, n_local,
         h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, **EXACT)
-    return contrib.view(t, k, hidden), (key < n_local).view(t, k)
+    out = contrib.view(t, k, hidden), (key < n_local).view(t, k)
+    return (*out, gu) if save_gu else out
 
 
 def _groups(ids, local, n_local, every):
@@ -394,16 +405,16 @@ def _act_backward(gu, dhw, wr):
     return h, d_gu, dw
 
 
-def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, d_contrib):
+def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, gu, d_contrib):
     """Gradients of contrib[r] = w_r * down(silu_mul(gate(x), up(x))) for the rows r of the
-    local experts, with torch._grouped_mm over the forward's groups: gate/up recomputed
-    once (one product over the stack), nothing else (dw_r = <dC_r, y_r> = <dC_r @ Wd, h_r>),
-    the activation's backward one kernel. Each token's gradient sums its slots in slot
-    order: no atomics, deterministic."""
+    local experts, with torch._grouped_mm over the forward's groups, from the forward's
+    saved gate/up outputs gu (plan order); nothing is recomputed but h (dw_r = <dC_r, y_r> =
+    <dC_r @ Wd, h_r>), the activation's backward one kernel. Each token's gradient sums its
+    slots in slot order: no atomics, deterministic."""
     t, k = ids.shape
     sel, offs = _groups(ids, local, wd.shape[0], every)
     xs = x[sel // k]
-    gu = torch._grouped_mm(xs, w_gate_up.transpose(1, 2), offs)
+    gu = gu[:sel.shape[0]]                                      # the local rows lead the plan order
     dc = d_contrib[sel // k, sel % k]                           # rows of a view (see _Combine)
     dhw = torch._grouped_mm(dc.to(x.dtype), wd, offs)           # dC @ Wd: [R, I]
     wr = weights.reshape(-1)[sel].float().contiguous()
@@ -422,16 +433,16 @@ class _GroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, w_gate_up, wd, ids, local, every):
-        contrib, owned = _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local)
-        ctx.save_for_backward(x, weights, w_gate_up, wd, ids)
+        contrib, owned, gu = _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local, save_gu=True)
+        ctx.save_for_backward(x, weights, w_gate_up, wd, ids, gu)
         ctx.local, ctx.every = local, every
         ctx.mark_non_differentiable(owned)
         return contrib, owned
 
     @staticmethod
     def backward(ctx, d_contrib, _):
-        x, weights, w_gate_up, wd, ids = ctx.saved_tensors
-        grads = _grouped_backward(x, weights, w_gate_up, wd, ids, ctx.local, ctx.every, d_contrib)
+        x, weights, w_gate_up, wd, ids, gu = ctx.saved_tensors
+        grads = _grouped_backward(x, weights, w_gate_up, wd, ids, ctx.local, ctx.every, gu, d_contrib)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
 
 
