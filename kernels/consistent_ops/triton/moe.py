@@ -405,6 +405,32 @@ def _act_backward(gu, dhw, wr):
     return h, d_gu, dw
 
 
+@triton.jit
+def _slot_grad_kernel(D, Sel, WR, DC, DCW, H, TOPK, stride_t, stride_k, BLOCK: tl.constexpr):
+    """Row r of the plan order: dC_r = d_contrib[token, slot] (any strides: the combine's
+    expanded view included) and w_r * dC_r, both rounded to the activation dtype."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = c < H
+    sel = tl.load(Sel + r)
+    v = tl.load(D + (sel // TOPK) * stride_t + (sel % TOPK) * stride_k + c, mask=live, other=0.0)
+    tl.store(DC + r * H + c, v.to(DC.dtype.element_ty), mask=live)
+    tl.store(DCW + r * H + c, (v * tl.load(WR + r)).to(DCW.dtype.element_ty), mask=live)
+
+
+def _slot_grads(d_contrib, sel, wr, dtype):
+    t, k, hidden = d_contrib.shape
+    if d_contrib.stride(-1) != 1:
+        d_contrib = d_contrib.contiguous()
+    dc = torch.empty((sel.shape[0], hidden), dtype=dtype, device=d_contrib.device)
+    dcw = torch.empty_like(dc)
+    if sel.shape[0]:
+        _slot_grad_kernel[(sel.shape[0], triton.cdiv(hidden, 1024))](
+            d_contrib, sel, wr, dc, dcw, hidden, k, d_contrib.stride(0), d_contrib.stride(1), BLOCK=1024,
+            num_warps=4, **EXACT)
+    return dc, dcw
+
+
 def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, gu, d_contrib):
     """Gradients of contrib[r] = w_r * down(silu_mul(gate(x), up(x))) for the rows r of the
     local experts, with torch._grouped_mm over the forward's groups, from the forward's
@@ -415,15 +441,18 @@ def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, gu, d_contri
     sel, offs = _groups(ids, local, wd.shape[0], every)
     xs = x[sel // k]
     gu = gu[:sel.shape[0]]                                      # the local rows lead the plan order
-    dc = d_contrib[sel // k, sel % k]                           # rows of a view (see _Combine)
-    dhw = torch._grouped_mm(dc.to(x.dtype), wd, offs)           # dC @ Wd: [R, I]
     wr = weights.reshape(-1)[sel].float().contiguous()
+    dc, dcw = _slot_grads(d_contrib, sel, wr, x.dtype)
+    dhw = torch._grouped_mm(dc, wd, offs)                       # dC @ Wd: [R, I]
     h, d_gu, dw = _act_backward(gu, dhw, wr)
     d_weights = torch.zeros(t * k, dtype=torch.float32, device=x.device).index_put((sel,), dw)
-    d_wd = _weight_grad((dc * wr[:, None]).to(x.dtype), h, offs)
+    d_wd = _weight_grad(dcw, h, offs)
     d_wgu = _weight_grad(d_gu, xs, offs)
-    d_slots = torch.zeros((t * k, x.shape[-1]), dtype=x.dtype, device=x.device).index_put(
-        (sel,), torch._grouped_mm(d_gu, w_gate_up, offs))
+    d_rows = torch._grouped_mm(d_gu, w_gate_up, offs)           # [R, H], plan order
+    if every:     # every (token, slot) is a row: back to slot order by a gather
+        d_slots = d_rows[torch.empty_like(sel).scatter_(0, sel, torch.arange(sel.shape[0], device=sel.device))]
+    else:
+        d_slots = d_rows.new_zeros(t * k, d_rows.shape[1]).index_put((sel,), d_rows)
     d_x = d_slots.view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
     return d_x, d_weights.view(weights.shape).to(weights.dtype), d_wgu, d_wd
 
