@@ -160,7 +160,8 @@ def _wall_ms(fn, reps=3):
 
 
 def _print_top_kernels(fn, what, rows=12):
-    """Where the device time of one eager call goes (kernels by total device time)."""
+    """Where the device time of one eager call goes (kernels by total device time), and its
+    host time (Python functions and ops by self time)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -168,6 +169,13 @@ def _print_top_kernels(fn, what, rows=12):
         torch.cuda.synchronize()
     print(f"# device time of {what}, by kernel:", flush=True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70),
+          flush=True)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"# host time of {what}, by op and call site:", flush=True)
+    print(prof.key_averages(group_by_stack_n=3).table(sort_by="self_cpu_time_total", row_limit=rows,
+                                                      max_name_column_width=50, max_src_column_width=90),
           flush=True)
 
 
