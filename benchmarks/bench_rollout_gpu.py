@@ -170,13 +170,38 @@ def _print_top_kernels(fn, what, rows=12):
     print(f"# device time of {what}, by kernel:", flush=True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70),
           flush=True)
-    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
-        fn()
+    _print_host_by_op(fn, what)
+
+
+def _print_host_by_op(fn, what):
+    """Host time of one call per consistent_ops op (each op's Python + launches, no sync)."""
+    backend = co.get_backend()
+    names = [n for n in dir(backend) if callable(getattr(backend, n)) and not n.startswith("_")]
+    spent, calls, saved = {}, {}, {n: getattr(backend, n) for n in names}
+
+    def timed(name, op):
+        def run(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return op(*args, **kw)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+                calls[name] = calls.get(name, 0) + 1
+        return run
+    for n, op in saved.items():
+        setattr(backend, n, timed(n, op))
+    try:
         torch.cuda.synchronize()
-    print(f"# host time of {what}, by op and call site:", flush=True)
-    print(prof.key_averages(group_by_stack_n=3).table(sort_by="self_cpu_time_total", row_limit=rows,
-                                                      max_name_column_width=50, max_src_column_width=90),
-          flush=True)
+        t0 = time.perf_counter()
+        fn()
+        total = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+    finally:
+        for n, op in saved.items():
+            setattr(backend, n, op)
+    print(f"# host time of {what}: {total:.1f} ms, of which per op (ms, calls):", flush=True)
+    for n in sorted(spent, key=spent.get, reverse=True):
+        print(f"#   {n:28s} {spent[n] * 1e3:7.2f} {calls[n]:5d}", flush=True)
 
 
 def _chunk_device_ms(model, toks, chunk, ctx):
