@@ -5,7 +5,8 @@ rank), and the tiny Qwen3 dense (tied embeddings) at TP=2, give the rollout mode
 the paged rollout path); stock Megatron modules differ (companion); the spec's backward
 matches the trainer model's gradients; bridge's weight export is exact, and after a training
 step the exported weights give the rollout model Megatron's logits bitwise; verl 0.9.1's own
-Megatron engine (our registered subclass) computes the rollout's log-probs (infer_batch). Runs in .venv-megatron (scripts/setup_megatron.sh);
+Megatron engine (our registered subclass) computes the rollout's log-probs (infer_batch), and
+again after its own training step (train_batch) with the exported new weights. Runs in .venv-megatron (scripts/setup_megatron.sh);
 skipped where that environment is absent."""
 import json
 import os
@@ -71,6 +72,19 @@ def test_weight_export_exact_and_synced_rollout_bitwise_after_step(results):
 def test_verl_megatron_engine_logprobs_bitwise_equal_rollout(results, tp, ep):
     rows = [r for r in results if r.get("engine") and r["tp"] == tp and r["ep"] == ep]
     assert len(rows) == 2 and all(r["equal"] and r["max_abs_diff"] == 0.0 for r in rows), rows
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 2), (1, 2)])
+def test_verl_megatron_engine_train_step_then_logprobs_bitwise_equal_rollout(results, tp, ep):
+    """verl's ``train_batch`` (forward, backward, DDP, distributed Adam) changes the weights;
+    exported by ``get_per_tensor_param`` into the rollout model, the engine's new log-probs
+    equal the rollout's bitwise; the rollout left on the old weights differs (companion)."""
+    rows = [r for r in results if r.get("engine") and r["tp"] == tp and r["ep"] == ep]
+    assert len(rows) == 2 and any(r["grad_norm"] for r in rows), rows
+    for r in rows:
+        assert r["changed"] > r["total"] // 2, r
+        assert r["trained_equal"] and r["trained_max_abs_diff"] == 0.0, r
+        assert r["stale_max_abs_diff"] > 0, r
 
 
 @needs_env

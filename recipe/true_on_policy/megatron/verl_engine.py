@@ -36,6 +36,10 @@ class TrueOnPolicyMegatronEngine(transformer_impl.MegatronEngineWithLMHead):
         _vocab_limit = hf_model._tokenizer_length(self.model_config.local_path)
 
     @env.on_cpu
+    def initialize(self):           # builds the optimizer
+        return super().initialize()
+
+    @env.on_cpu
     def forward_backward_batch(self, *args, **kwargs):
         return super().forward_backward_batch(*args, **kwargs)
 
