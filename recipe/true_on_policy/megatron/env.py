@@ -88,6 +88,13 @@ def import_bridge():
     return megatron.bridge
 
 
+class _CpuStream(torch.cpu.Stream):
+    """torch's CPU stream, made with CUDA's arguments (device, priority)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
 def apply_cpu_workarounds():
     """Work-arounds for Megatron on a machine without CUDA (no-ops where CUDA exists).
     CUDA_CURRENT_DEVICE_IS_CPU: megatron-core and bridge place tensors on
@@ -104,7 +111,7 @@ def apply_cpu_workarounds():
     torch.cuda.manual_seed = torch.manual_seed
     random._get_cuda_rng_state = lambda *args, clone=False, **kwargs: torch.get_rng_state()
     random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    torch.cuda.Stream = lambda *args, **kwargs: torch.cpu.Stream()
+    torch.cuda.Stream = _CpuStream
     torch.cuda.current_stream = lambda device=None: torch.cpu.current_stream()
     torch.cuda.stream = torch.cpu.stream
 

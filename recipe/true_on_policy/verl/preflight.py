@@ -97,10 +97,6 @@ def _megatron_rules(cfg):
     whole, no pipeline or context parallel yet."""
     import importlib.util
     mg = "actor_rollout_ref.actor.megatron."
-    # The spec's log-probs and weight export are exact (tests/test_megatron.py); a training loop
-    # with it has not run end to end yet (README: Megatron), so it stays refused for now.
-    yield ("actor.strategy=megatron: the Megatron actor's training loop is not proven end to end yet "
-           "(its forward log-probs are exact, README: Megatron); use actor.strategy=fsdp2")
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.bridge") is None:
         yield ("actor.strategy=megatron needs megatron-core + megatron-bridge: run scripts/setup_megatron.sh "
                "and launch with .venv-megatron/bin/python")
