@@ -2,7 +2,8 @@
 work-arounds.
 
 The import work-arounds act only where the package they stand in for cannot be imported, the
-CUDA ones only where CUDA is absent: with them installed (GPU) nothing here changes anything.
+CUDA ones only on a host with no accelerator (neither CUDA nor an Ascend NPU): with them
+installed (GPU, NPU) nothing here changes anything.
 """
 import functools
 import importlib
@@ -12,6 +13,8 @@ import sys
 import types
 
 import torch
+
+from ..verl.cpu_support import accelerator_available as _accelerator   # CUDA or an Ascend NPU
 
 
 class _Absent(type):
@@ -96,14 +99,14 @@ class _CpuStream(torch.cpu.Stream):
 
 
 def apply_cpu_workarounds():
-    """Work-arounds for Megatron on a machine without CUDA (no-ops where CUDA exists).
+    """Work-arounds for Megatron on a host with no accelerator (no-ops where one exists).
     CUDA_CURRENT_DEVICE_IS_CPU: megatron-core and bridge place tensors on
     ``torch.cuda.current_device()`` (~45 sites); on CPU that device is the CPU.
     CUDA_RNG_IS_CPU_RNG: the model-parallel RNG tracker (dropout, init) saves, seeds and
     restores the CUDA generator; on CPU it is the CPU generator.
     CUDA_STREAM_IS_CPU_STREAM: DDP wrapping and its grad buffers make, enter and wait on
     CUDA streams; on CPU they are torch's (no-op) CPU streams."""
-    if torch.cuda.is_available():
+    if _accelerator():
         return
     from megatron.core.tensor_parallel import random
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -119,12 +122,12 @@ def apply_cpu_workarounds():
 def cpu_provider_settings():
     """Provider fields a CPU run needs (none where CUDA exists). CPU_INITIALIZATION: the
     model is built on the CPU instead of being moved to ``torch.cuda.current_device()``."""
-    return {} if torch.cuda.is_available() else dict(use_cpu_initialization=True)
+    return {} if _accelerator() else dict(use_cpu_initialization=True)
 
 
 def cpu_provider(provider):
     """CPU_INITIALIZATION for ``provide_distributed_model`` (its own argument, default off)."""
-    if not torch.cuda.is_available():
+    if not _accelerator():
         provider.provide_distributed_model = functools.partial(provider.provide_distributed_model,
                                                                use_cpu_initialization=True)
     return provider
@@ -150,7 +153,7 @@ class CudaIsCpu(torch.overrides.TorchFunctionMode):
 
 def on_cpu(method):
     """``method`` run inside CudaIsCpu where CUDA is absent (unchanged where it exists)."""
-    if torch.cuda.is_available():
+    if _accelerator():
         return method
 
     @functools.wraps(method)
