@@ -3,7 +3,8 @@ the engine registry (a subclass of ``MegatronEngineWithLMHead`` that points the 
 provider at our layer spec and gives GPTModel our LM head) and the log-prob function the
 engine calls by name (``vocab_parallel_log_probs_from_logits`` -> the contract's log-probs
 over the whole vocabulary). Weight export is the engine's own (``bridge.export_hf_weights``:
-our modules keep Megatron's parameter layout and names)."""
+our modules keep Megatron's parameter layout and names). verl's MindSpeed engine (Ascend), a
+subclass of the same engine, gets the same spec (``install_mindspeed``)."""
 import logging
 
 from megatron.core import parallel_state as mpu
