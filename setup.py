@@ -31,7 +31,7 @@ setup(
         "true_on_policy.configs": "configs",
     },
     # dot64.c is compiled on first use (consistent_ops/reference/native.py).
-    package_data={"true_on_policy.configs": ["*.yaml", "preset/*.yaml"], "consistent_ops.reference": ["*.c"]},
+    package_data={"true_on_policy.configs": ["*.yaml", "preset/*.yaml", "fsdp_actor/*.yaml"], "consistent_ops.reference": ["*.c"]},
     install_requires=["torch", "safetensors"],
     entry_points={
         # Inert unless TRUE_ON_POLICY=1 (see true_on_policy/vllm/plugin.py).
