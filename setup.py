@@ -31,7 +31,8 @@ setup(
         "true_on_policy.configs": "configs",
     },
     # dot64.c / dot32.c (and native.h) are compiled on first use (consistent_ops/reference/native.py).
-    package_data={"true_on_policy.configs": ["*.yaml", "preset/*.yaml"], "consistent_ops.reference": ["*.c", "*.h"]},
+    package_data={"true_on_policy.configs": ["*.yaml", "preset/*.yaml", "fsdp_actor/*.yaml"],
+                  "consistent_ops.reference": ["*.c", "*.h"]},
     install_requires=["torch", "safetensors"],
     entry_points={
         # Inert unless TRUE_ON_POLICY=1 (see true_on_policy/vllm/plugin.py).

@@ -159,6 +159,51 @@ def _wall_ms(fn, reps=3):
     return sorted(times)[len(times) // 2]
 
 
+def _print_top_kernels(fn, what, rows=12):
+    """Where the device time of one eager call goes (kernels by total device time), and its
+    host time (Python functions and ops by self time)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"# device time of {what}, by kernel:", flush=True)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70),
+          flush=True)
+    _print_host_by_op(fn, what)
+
+
+def _print_host_by_op(fn, what):
+    """Host time of one call per consistent_ops op (each op's Python + launches, no sync)."""
+    backend = co.get_backend()
+    names = [n for n in dir(backend) if callable(getattr(backend, n)) and not n.startswith("_")]
+    spent, calls, saved = {}, {}, {n: getattr(backend, n) for n in names}
+
+    def timed(name, op):
+        def run(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return op(*args, **kw)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+                calls[name] = calls.get(name, 0) + 1
+        return run
+    for n, op in saved.items():
+        setattr(backend, n, timed(n, op))
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        total = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+    finally:
+        for n, op in saved.items():
+            setattr(backend, n, op)
+    print(f"# host time of {what}: {total:.1f} ms, of which per op (ms, calls):", flush=True)
+    for n in sorted(spent, key=spent.get, reverse=True):
+        print(f"#   {n:28s} {spent[n] * 1e3:7.2f} {calls[n]:5d}", flush=True)
+
+
 def _chunk_device_ms(model, toks, chunk, ctx):
     """One prefill chunk (ctx tokens already cached) as a graph replay: its device time,
     to tell the host's launch cost in the eager numbers apart."""
@@ -171,7 +216,15 @@ def _chunk_device_ms(model, toks, chunk, ctx):
         return model.compute_logits(hidden[-1:])
     with torch.no_grad():
         eager = _median_ms(run, 5)
-        run()
+        _print_top_kernels(run, f"one {chunk}-token chunk at ctx {ctx}")
+        enqueue = []
+        for _ in range(5):          # host time to issue the chunk (no sync inside it)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            enqueue.append((time.perf_counter() - t0) * 1e3)
+        print(f"# host time to issue one {chunk}-token chunk ({len(model.model.layers)} layers): "
+              f"{sorted(enqueue)[2]:.1f} ms", flush=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()

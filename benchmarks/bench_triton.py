@@ -132,15 +132,14 @@ def moe():
     h, inter, e, topk = 2048, 768, 128, 8
     wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
     wd = rand(e, h, inter, scale=inter ** -0.5)
-    w_gu_t = torch.cat([wg, wu], 1).transpose(1, 2)          # [E, H, 2I] as HF stores gate_up
-    wd_t = wd.transpose(1, 2)
+    w_gate_up = torch.cat([wg, wu], 1)                         # [E, 2I, H]: the model's (and HF's) stack
     experts = {i: (wg[i], wu[i], wd[i]) for i in range(e)}
     for t in (1024, 8192):
         x = rand(t, h)
         ids, w = co.moe_route(x, rand(e, h, scale=h ** -0.5), topk)
 
         def ours():
-            contrib, _ = tmoe.grouped_expert_contributions(x, ids, w, wg, wu, wd, range(e))
+            contrib, _ = tmoe.grouped_expert_contributions(x, ids, w, w_gate_up, wd, range(e), every=True)
             return co.moe_combine(contrib, BF16)
 
         def stock():          # HF-style: sort by expert, grouped_mm, SiLU*up, grouped_mm, index_add
@@ -148,8 +147,8 @@ def moe():
             order = torch.argsort(flat, stable=True)
             offs = torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32)
             tok = order // topk
-            gu = torch._grouped_mm(x[tok], w_gu_t, offs)
-            y = torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], wd_t, offs)
+            gu = torch._grouped_mm(x[tok], w_gate_up.transpose(1, 2), offs)
+            y = torch._grouped_mm(F.silu(gu[:, :inter]) * gu[:, inter:], wd.transpose(1, 2), offs)
             y = y * w.reshape(-1)[order, None].to(y.dtype)
             return torch.zeros(t, h, dtype=BF16, device=DEV).index_add_(0, tok, y)
 
@@ -157,42 +156,71 @@ def moe():
         ms = bench(ours)
         record("moe", f"experts T={t} E={e} top{topk}", ms, {"grouped_mm": bench(stock)},
                f"{flops / ms / 1e9:.0f} TFLOP/s", ">= 1.0x")
-        def public_api():
-            with torch.inference_mode():    # the rollout's mode: stacks cached (training restacks per call)
+        def public_api():     # what the Megatron spec passes: stacked per call
+            with torch.inference_mode():
                 return co.moe_combine(co.moe_expert_contributions(x, ids, w, experts)[0], BF16)
-        record("moe", f"  + public API (per-expert tensors, stack cache) T={t}", bench(public_api),
+        record("moe", f"  + public API (per-expert tensors, stacked per call) T={t}", bench(public_api),
                {"grouped_mm": bench(stock)})
+        # forward + backward (what a training step pays): gradients for x, the routing weights
+        # and both stacks, the same loss on both sides
+        leaves = [x.requires_grad_(), w.requires_grad_(), w_gate_up.requires_grad_(), wd.requires_grad_()]
+        dout = rand(t, h)
+        fwd_bwd = {name: (lambda f=f: f().backward(dout)) for name, f in (("ours", ours), ("stock", stock))}
+        record("moe", f"experts fwd+bwd T={t}", bench(fwd_bwd["ours"], grad_to_none=leaves),
+               {"grouped_mm": bench(fwd_bwd["stock"], grad_to_none=leaves)}, goal=">= 1.0x / 1.1x")
+        for leaf in leaves:
+            leaf.requires_grad_(False)
+
+
+def _actor_ms(model, step, ids, pos):
+    """Median ms of one fwd+bwd step, and the step's peak memory above the weights (GB)."""
+    params = list(model.parameters())
+    ms = bench(lambda: step(model, ids, pos), rep=3000, grad_to_none=params)
+    torch.cuda.synchronize()
+    for p in params:
+        p.grad = None
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(model, ids, pos)
+    torch.cuda.synchronize()
+    return ms, (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def _ours_step(model, ids, pos):
+    logits = model.forward_packed(ids, pos)
+    (-co.token_logprobs(logits[:-1], ids[1:]).mean()).backward()
+
+
+def _hf_step(hf, ids, pos):
+    logits = hf(ids[None], position_ids=pos[None]).logits.float()[0]
+    lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])
+    (-lp.mean()).backward()
 
 
 def actor_step():
+    """4 layers as the kernel bench (vs HF eager and sdpa), and 8 layers with gradient
+    checkpointing (what verl runs) vs HF sdpa, with each step's peak memory."""
     from harness import build_hf_model, build_model
     tokens = 4096
     ids = torch.randint(0, 151643, (tokens,), device=DEV)
     pos = torch.arange(tokens, device=DEV)
-    model = build_model(layers=4)
-    params = list(model.parameters())
-
-    def ours():
-        logits = model.forward_packed(ids, pos)
-        (-co.token_logprobs(logits[:-1], ids[1:]).mean()).backward()
-
-    ours_ms = bench(ours, rep=3000, grad_to_none=params)
-    del model, params
-    torch.cuda.empty_cache()
-    stock = {}
-    for attn in ("eager", "sdpa"):
-        hf = build_hf_model(layers=4, attn=attn)
-        hp = list(hf.parameters())
-
-        def run():
-            logits = hf(ids[None], position_ids=pos[None]).logits.float()[0]
-            lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[1:, None])
-            (-lp.mean()).backward()
-
-        stock[f"HF-{attn}"] = bench(run, rep=3000, grad_to_none=hp)
-        del hf, hp
+    for layers, recompute, attns in ((4, False, ("eager", "sdpa")), (8, True, ("sdpa",))):
+        model = build_model(layers=layers)
+        model.model.gradient_checkpointing = recompute
+        ours_ms, ours_gb = _actor_ms(model, _ours_step, ids, pos)
+        del model
         torch.cuda.empty_cache()
-    record("actor", f"4-layer fwd+bwd {tokens} tokens", ours_ms, stock, goal=">= 1.2x (vs HF eager)")
+        stock, peaks = {}, {}
+        for attn in attns:
+            hf = build_hf_model(layers=layers, attn=attn)
+            if recompute:
+                hf.gradient_checkpointing_enable()
+            stock[f"HF-{attn}"], peaks[attn] = _actor_ms(hf, _hf_step, ids, pos)
+            del hf
+            torch.cuda.empty_cache()
+        memory = f"peak above weights: ours {ours_gb:.1f} GB, " + ", ".join(f"HF-{a} {g:.1f} GB" for a, g in peaks.items())
+        record("actor", f"{layers}-layer fwd+bwd {tokens} tokens{' (grad ckpt)' if recompute else ''}", ours_ms,
+               stock, memory, goal=">= 1.0x HF sdpa")
 
 
 def actor_profile():
@@ -204,7 +232,7 @@ def actor_profile():
     tokens = 4096
     ids = torch.randint(0, 151643, (tokens,), device=DEV)
     pos = torch.arange(tokens, device=DEV)
-    model = build_model(layers=4, stacked=False)
+    model = build_model(layers=4)
 
     def step():
         logits = model.forward_packed(ids, pos)
@@ -213,7 +241,7 @@ def actor_profile():
     for _ in range(2):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         torch.cuda.synchronize()
     events = prof.key_averages()
@@ -221,6 +249,8 @@ def actor_profile():
     print(f"actor profile: {launches} kernel launches per step")
     print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=16,
+                                                             max_name_column_width=40, max_shapes_column_width=70))
     del model
 
 
@@ -297,7 +327,7 @@ def probe_attention():
     runs = {"varlen 16k": lambda t: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, s, scale, False, tile=t),
             "paged 2k@8k": lambda t: ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, chunk, scale, True, tile=t)}
     base = {name: run(None) for name, run in runs.items()}
-    for tile in ((64, 4, 3), (64, 4, 2), (64, 4, 4), (128, 8, 3), (128, 8, 2), (128, 4, 2), (64, 8, 3)):
+    for tile in ((64, 4, 3), (64, 4, 2), (128, 8, 3), (128, 8, 2), (128, 4, 2)):
         for name, run in runs.items():
             try:
                 same = torch.equal(run(tile), base[name])
@@ -305,6 +335,32 @@ def probe_attention():
                       f"{'same' if same else 'DIFF'}", flush=True)
             except Exception as e:
                 print(f"  attention {name} tile {tile}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+
+
+def probe_attention_bwd():
+    """Backward tiles ((dQ rows, keys, warps), (dK/dV rows, keys, warps), stages): fwd+bwd ms at
+    S=4k x4 and 16k x1, and whether two backward passes give identical gradients."""
+    from consistent_ops.triton import attention as ta
+    tiles = (((64, 64, 4), (64, 64, 4), 2), ((64, 64, 4), (32, 64, 4), 2), ((64, 64, 4), (64, 128, 8), 2),
+             ((128, 64, 8), (64, 128, 8), 2), ((64, 64, 4), (64, 64, 4), 3))
+    for s in (4096, 16384):
+        batch = 16384 // s
+        q, k, v, do = rand(batch * s, HQ, D), rand(batch * s, HKV, D), rand(batch * s, HKV, D), rand(batch * s, HQ, D)
+        cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
+        scale = D ** -0.5
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
+        o = ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, s, scale, False, lse=lse)
+        fwd = bench(lambda: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, s, scale, False, lse=lse), rep=100)
+        for t in tiles:
+            try:
+                g1 = ta._backward(q, k, v, o, lse, do, cu, s, scale, tiles=t)
+                same = all(torch.equal(a, b) for a, b in zip(g1, ta._backward(q, k, v, o, lse, do, cu, s, scale,
+                                                                                tiles=t)))
+                ms = bench(lambda: ta._backward(q, k, v, o, lse, do, cu, s, scale, tiles=t), rep=100)
+                print(f"  attention bwd S={s} x{batch} tiles {t}: bwd {ms:.3f} ms, fwd+bwd {fwd + ms:.3f} ms, "
+                      f"{'deterministic' if same else 'NOT DETERMINISTIC'}", flush=True)
+            except Exception as e:
+                print(f"  attention bwd S={s} tiles {t}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
 
 
 def _moe_cfg(bm, gu, dn):
@@ -330,7 +386,7 @@ def probe_moe():
     """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included, graph replays) at T tokens,
     and whether the contributions equal the first entry's bit for bit."""
     h, inter, e, topk = 2048, 768, 128, 8
-    wg, wu = rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)
+    w_gate_up = torch.cat([rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)], 1)
     wd = rand(e, h, inter, scale=inter ** -0.5)
     local = list(range(e))
     for t in (1, 8, 64, 256, 1024, 8192):         # 1 .. 256: decode batches
@@ -340,7 +396,7 @@ def probe_moe():
         for bm, gu, dn in MOE_PROBE:
             cfg = _moe_cfg(bm, gu, dn)
             try:
-                run = lambda: tmoe._grouped_kernel(x, w, wg, wu, wd, ids=ids, local=local, cfg=cfg)  # noqa: E731
+                run = lambda: tmoe._grouped_kernel(x, w, w_gate_up, wd, ids=ids, local=local, cfg=cfg)  # noqa: E731
                 out = run()[0]
                 base = out if base is None else base
                 ms = _graph_ms(run)          # graph replays: the plan is capturable
@@ -373,7 +429,8 @@ def main():
     bw = ceilings() if any(k in args.only for k in ("decode", "attention")) else 0
     steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, moe=moe,
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
-                 actor_profile=actor_profile, probe_attention=probe_attention)
+                 actor_profile=actor_profile, probe_attention=probe_attention,
+                 probe_attention_bwd=probe_attention_bwd)
     failed = []
     for key in args.only:
         try:

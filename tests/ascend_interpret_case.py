@@ -13,11 +13,14 @@ os.environ["TRITON_INTERPRET"] = "1"        # read when the kernels are decorate
 import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from consistent_ops.triton import common, gemm, logprobs, norm  # noqa: E402
+from consistent_ops.triton import common, gemm, logprobs  # noqa: E402
+from interpreter_bf16 import fix_interpreter_bf16  # noqa: E402
+
+fix_interpreter_bf16()                     # real bf16 dots and casts, as on the device
 
 side, out = sys.argv[1], sys.argv[2]
 if side == "ascend":   # the interpreter looks module globals up when a kernel runs
-    common.FP64_TRANSCENDENTALS = norm.SCALAR_DIV_RN = logprobs.SCALAR_DIV_RN = tl.constexpr(False)
+    common.FP64_TRANSCENDENTALS = logprobs.SCALAR_DIV_RN = tl.constexpr(False)
     gemm.HALF_DOT_PRECISION = "ieee"
 
 import consistent_ops.ascend as ascend  # noqa: E402

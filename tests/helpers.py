@@ -33,6 +33,20 @@ def random_model(cfg, seed=0, std=0.08, tp_size=1):
     return model
 
 
+def per_expert(state):
+    """(name, tensor) pairs with each experts stack split into HF checkpoint names (as on
+    disk, and as verl's FSDP weight sync sends them)."""
+    for name, t in state:
+        if name.endswith(".experts.gate_up_proj"):
+            for e, (g, u) in enumerate(zip(*t.chunk(2, 1))):
+                yield from ((name.replace("gate_up_proj", f"{e}.gate_proj.weight"), g),
+                            (name.replace("gate_up_proj", f"{e}.up_proj.weight"), u))
+        elif name.endswith(".experts.down_proj"):
+            yield from ((name.replace("down_proj", f"{e}.down_proj.weight"), d) for e, d in enumerate(t))
+        else:
+            yield name, t
+
+
 class PagedCache:
     """A paged KV cache per layer with shuffled page placement, as an inference engine has."""
 

@@ -120,7 +120,7 @@ def train_step_check(path):
         "linear_proj": (mp[L + "self_attention.linear_proj.weight"].grad,
                         g["model.layers.0.self_attn.o_proj.weight"].chunk(tp, 1)[me]),
         "expert_fc2": (mp[L + "mlp.experts.local_experts.1.linear_fc2.weight"].grad,
-                       g[f"model.layers.0.mlp.experts.{first + 1}.down_proj.weight"]),
+                       g["model.layers.0.mlp.experts.down_proj"][first + 1]),
         "output_layer": (mp["output_layer.weight"].grad, g["lm_head.weight"].chunk(tp, 0)[me]),
         "embedding": (mp["embedding.word_embeddings.weight"].grad, g["model.embed_tokens.weight"].chunk(tp, 0)[me]),
     }
@@ -143,8 +143,11 @@ def train_step_check(path):
 
 
 def engine_check(path, tp, ep):
-    """verl 0.9.1's own Megatron engine (our registered subclass, forward-only), through
-    ``infer_batch`` at T=0.7: its log-probs == the rollout model's, bitwise."""
+    """verl 0.9.1's own Megatron engine (our registered subclass) at T=0.7: ``infer_batch``
+    log-probs == the rollout model's, bitwise; then one ``train_batch`` (forward, backward,
+    DDP grad reduce, distributed Adam step), its weights exported by the engine's own
+    ``get_per_tensor_param`` into the rollout model, and ``infer_batch`` == rollout again
+    with the NEW weights."""
     import consistent_ops as co
     from megatron.core import parallel_state as ps
     from tensordict import TensorDict
@@ -160,24 +163,51 @@ def engine_check(path, tp, ep):
     engine = verl_engine.TrueOnPolicyMegatronEngine(
         HFModelConfig(path=path, override_config={hf_model.TP_ATTR: tp}),
         McoreEngineConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                          expert_tensor_parallel_size=1, sequence_parallel=tp > 1, forward_only=True),
-        McoreOptimizerConfig(lr=1e-5), CheckpointConfig())
+                          expert_tensor_parallel_size=1, sequence_parallel=tp > 1, use_distributed_optimizer=True),
+        McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, lr_warmup_steps_ratio=0.0, total_training_steps=1),
+        CheckpointConfig())
     engine.initialize()
     ids, pos, cu = batch(ps.get_data_parallel_rank())
-    seqs = [ids[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    spans = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    seqs = [ids[a:b] for a, b in spans]
     nested = lambda ts: torch.nested.nested_tensor(ts, layout=torch.jagged)
-    data = TensorDict({"input_ids": nested(seqs), "loss_mask": nested([torch.ones_like(t) for t in seqs]),
-                       "temperature": torch.full((len(seqs),), 0.7)}, batch_size=[len(seqs)])
-    tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=len(seqs), calculate_entropy=False)
-    got = engine.infer_batch(data)["model_output"]["log_probs"].unbind()
-    ref = ConsistentForCausalLM.from_pretrained(path, tp_size=tp).eval()
+
+    def data():
+        d = TensorDict({"input_ids": nested(seqs), "loss_mask": nested([torch.ones_like(t) for t in seqs]),
+                        "temperature": torch.full((len(seqs),), 0.7)}, batch_size=[len(seqs)])
+        tu.assign_non_tensor(d, use_dynamic_bsz=False, micro_batch_size_per_gpu=len(seqs), calculate_entropy=False)
+        return d
+
     limit = hf_model._tokenizer_length(path)
-    with torch.no_grad():
-        logits = ref.forward_packed(ids, pos)
-    want = [co.token_logprobs(logits[a:b - 1], ids[a + 1:b], 0.7, limit) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    diff = max((g[:-1] - w).abs().max().item() for g, w in zip(got, want))    # last: no next token
-    return dict(engine=True, tp=tp, ep=ep, max_abs_diff=diff,
-                equal=all(torch.equal(g[:-1], w) for g, w in zip(got, want)))
+    ref = ConsistentForCausalLM.from_pretrained(path, tp_size=tp).eval()
+
+    def compare():
+        with engine.eval_mode():
+            got = engine.infer_batch(data())["model_output"]["log_probs"].unbind()
+        with torch.no_grad():
+            logits = ref.forward_packed(ids, pos)
+        want = [co.token_logprobs(logits[a:b - 1], ids[a + 1:b], 0.7, limit) for a, b in spans]
+        diff = max((g[:-1] - w).abs().max().item() for g, w in zip(got, want))    # last: no next token
+        return diff, all(torch.equal(g[:-1], w) for g, w in zip(got, want))
+
+    diff, equal = compare()
+
+    def nll(model_output, data, dp_group=None):      # any differentiable loss of the log-probs
+        loss = -model_output["log_probs"].values().sum() / data["batch_num_tokens"]
+        return loss, {"loss": loss.detach().item()}
+
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    with engine.train_mode():
+        out = engine.train_batch(data(), nll)
+    stale_diff, _ = compare()              # companion: the rollout still on the old weights
+    weights, _ = engine.get_per_tensor_param()
+    ref.load_weights(weights)
+    changed = sum(not torch.equal(v, before[k]) for k, v in ref.state_dict().items())
+    diff_new, equal_new = compare()
+    grad_norm = out.get("metrics", {}).get("grad_norm")      # on the src rank only
+    return dict(engine=True, tp=tp, ep=ep, max_abs_diff=diff, equal=equal, trained_max_abs_diff=diff_new,
+                trained_equal=equal_new, stale_max_abs_diff=stale_diff, changed=changed, total=len(before),
+                grad_norm=float(grad_norm) if grad_norm is not None else None)
 
 
 def rank_main(rank, world, port, path, dense_path, out_path):

@@ -33,6 +33,42 @@ def test_large_presets_compose_and_pass_preflight(preset, tmp_path):
         assert not ro.enforce_eager and ro.engine_kwargs.vllm.compilation_config.cudagraph_mode == "FULL_DECODE_ONLY"
 
 
+MEGATRON_NEEDED = "actor.strategy=megatron needs megatron-core + megatron-bridge"   # absent from .venv
+
+
+@pytest.mark.parametrize("preset, tp, ep", [("qwen3_30b_a3b_megatron_h200x8", 4, 8),
+                                            ("qwen3_30b_a3b_megatron_ascend16", 4, 16)])
+def test_large_megatron_presets_compose_and_pass_preflight(preset, tp, ep, tmp_path):
+    """The Megatron variants: verl's Megatron actor config (its own dataclass accepts every
+    key), layouts that divide 32 heads, 4 KV heads and 128 experts, no PP / CP / expert TP."""
+    from verl.utils.config import omega_conf_to_dataclass
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    cfg = _compose([f"preset={preset}", f"actor_rollout_ref.model.path={tmp_path}",
+                    "data.train_files=train.parquet", "data.val_files=val.parquet"])
+    extra = {k for k in _leaf_keys(cfg) - _leaf_keys(_compose(["~preset", "model_engine=megatron"]))
+             if not k.startswith(("true_on_policy.", "actor_rollout_ref.rollout.engine_kwargs.vllm."))}
+    assert not extra, f"keys verl does not have: {extra}"
+    assert type(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)).__name__ == "McoreActorConfig"
+    assert [p for p in preflight.problems(cfg) if not p.startswith(MEGATRON_NEEDED)] == []
+    mg = cfg.actor_rollout_ref.actor.megatron
+    assert (mg.tensor_model_parallel_size, mg.expert_model_parallel_size) == (tp, ep)
+    assert (mg.expert_tensor_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size) == (1, 1, 1)
+    n_ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    assert n_ranks % tp == 0 and n_ranks % ep == 0 and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == tp
+    assert cfg.true_on_policy.self_check.enable and cfg.trainer.n_gpus_per_node == (16 if "ascend" in preset else 8)
+
+
+def test_preflight_names_a_megatron_layout_that_does_not_divide_the_model(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    mg = "actor_rollout_ref.actor.megatron."
+    cfg = _compose(["preset=qwen3_30b_a3b_megatron_h200x8", f"actor_rollout_ref.model.path={tmp_path}",
+                    f"{mg}tensor_model_parallel_size=8", f"{mg}expert_model_parallel_size=3"])
+    found = preflight.problems(cfg)
+    assert any("num_key_value_heads=4 is not divisible by tensor_parallel_size=8" in p
+               and f"{mg}tensor_model_parallel_size" in p for p in found), found
+    assert f"{mg}expert_model_parallel_size=3 does not divide num_experts=128; use a divisor" in found
+
+
 def test_preflight_rejects_tp8_for_qwen3_30b(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
     cfg = _compose(["preset=qwen3_30b_a3b_h200x8", f"actor_rollout_ref.model.path={tmp_path}",

@@ -70,3 +70,23 @@ def test_rollout_truncation_reaches_verl_logprobs(tmp_path_factory, registered, 
     got = engine_logprobs(logits[None], labels[None])[0]
     assert torch.equal(got, rows.gather(-1, labels[:, None])[:, 0])
     assert not torch.equal(got, co.token_logprobs(logits, labels, 1.0, hf_model.active_vocab_limit()))
+
+
+def test_saved_checkpoint_loads_back_exactly(tmp_path, registered):
+    """A checkpoint the trainer saves (save_pretrained: transformers 5 writes the stacked
+    experts under per-expert checkpoint names) loads into both engines' model bit for bit."""
+    from safetensors import safe_open
+    hf_model = registered
+    path = ensure_tiny_model(tmp_path / "models", "qwen3_moe", hidden_size=128, num_layers=2)
+    config = hf_model.scoped_config(transformers.AutoConfig.from_pretrained(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "saved")
+    keys = set()
+    for f in (tmp_path / "saved").glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            keys |= set(st.keys())
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in keys
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", config=config, dtype=torch.float32)
+    ours = ConsistentForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    for m in (again, ours):
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), model.state_dict().values()))

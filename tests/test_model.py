@@ -3,7 +3,7 @@ prefill, decode, mixed batches, page sizes) == TP over a real gloo group; vs flo
 import pytest
 import torch
 
-from helpers import PagedCache, paged_step, random_model, run_gloo, tiny_config
+from helpers import PagedCache, paged_step, per_expert, random_model, run_gloo, tiny_config
 from true_on_policy.models import CausalLM, ConsistentForCausalLM, TensorParallel
 
 ARCHS = ["qwen3", "qwen3_moe"]
@@ -74,9 +74,13 @@ def _rank_forward(rank, world, arch, seqs):
     import torch.distributed as dist
     full = random_model(tiny_config(arch))
     shard = CausalLM(full.cfg, TensorParallel(world, rank, dist.group.WORLD))
-    loaded = shard.load_weights(full.state_dict().items())
+    loaded = shard.load_weights(full.state_dict().items())     # stacked names: this rank's experts
     assert loaded == set(dict(shard.named_parameters(remove_duplicate=False)))
-    return rollout_logits(shard, seqs, 16, 32)
+    out = rollout_logits(shard, seqs, 16, 32)
+    other = CausalLM(full.cfg, TensorParallel(world, rank, dist.group.WORLD))
+    assert other.load_weights(per_expert(full.state_dict().items())) == loaded   # checkpoint names
+    assert all(torch.equal(x, y) for x, y in zip(other.state_dict().values(), shard.state_dict().values()))
+    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -92,29 +96,38 @@ def test_tp_heads_not_divisible_is_a_clear_error():
         ConsistentForCausalLM(tiny_config("qwen3"), tp_size=4)
 
 
-def test_stacked_experts_keep_names_bits_loading_and_gradients():
-    """The rollout's stacked expert layout (CausalLM.stack_experts): the same parameter names,
-    the same logits bit for bit, in-place loads land in the stacks, autograd still reaches
-    every expert; the stacks are used only while the parameters are still their views."""
+def test_experts_stacked_and_loaded_by_either_name(tmp_path):
+    """Experts held as transformers 5 keeps them (mlp.experts.gate_up_proj [E, 2I, H], gate
+    rows then up; mlp.experts.down_proj [E, H, I]): checkpoint names one expert at a time
+    and the stacked names load the same bits, each load bumps the stack's version, a stack
+    counts as loaded once every expert's part has arrived (over any number of calls), and
+    gradients land in the stacks."""
+    from safetensors.torch import save_file
     cfg = tiny_config("qwen3_moe")
-    plain, stacked = random_model(cfg), random_model(cfg).stack_experts()
-    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in stacked.named_parameters()]
-    block = stacked.model.layers[0].mlp
-    with torch.no_grad():
-        assert block._experts(cfg.dtype) is block._stack
-    assert isinstance(block._experts(cfg.dtype), dict)       # autograd: the per-expert views
+    src, a, b = random_model(cfg, seed=1), random_model(cfg), random_model(cfg)
+    params = dict(src.named_parameters())
+    assert params["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 128, 128)
+    assert params["model.layers.0.mlp.experts.down_proj"].shape == (8, 128, 64)
+    stack = a.model.layers[1].mlp.experts.gate_up_proj
+    version = stack._version
+    assert a.load_weights(per_expert(src.state_dict().items())) == set(params)
+    assert stack._version > version
+    assert b.load_weights(src.state_dict().items()) == set(params)
     seqs = prompts()
-    assert all(torch.equal(a, b) for a, b in zip(trainer_logits(plain, seqs), trainer_logits(stacked, seqs)))
-    name = "model.layers.1.mlp.experts.5.down_proj.weight"
-    new = torch.randn_like(dict(stacked.named_parameters())[name], dtype=torch.float32)
-    for m in (plain, stacked):
-        m.load_weights([(name, new)])
-    assert torch.equal(stacked.model.layers[1].mlp._stack.down[5], new.to(cfg.dtype))
-    assert all(torch.equal(a, b) for a, b in zip(trainer_logits(plain, seqs), trainer_logits(stacked, seqs)))
-    ids = torch.cat(seqs)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    stacked.forward_packed(ids, pos).float().pow(2).mean().backward()
-    assert all(p.grad is not None for n, p in stacked.named_parameters() if ".experts." in n)
-    with torch.no_grad():   # a replaced parameter (as FSDP or .to() would do): per-expert weights again
-        block.experts["0"].gate_proj.weight = torch.nn.Parameter(block.experts["0"].gate_proj.weight.clone())
-        assert isinstance(block._experts(cfg.dtype), dict)
+    want = trainer_logits(src, seqs)
+    for m in (a, b):
+        assert all(torch.equal(x, y) for x, y in zip(m.state_dict().values(), src.state_dict().values()))
+        assert all(torch.equal(x, y) for x, y in zip(trainer_logits(m, seqs), want))
+    first, rest = [], []
+    for name, t in per_expert(src.state_dict().items()):      # a layer's experts over two files
+        (first if ".experts.7." not in name else rest).append((name, t))
+    save_file(dict(first), str(tmp_path / "a.safetensors"))
+    fresh = random_model(cfg)
+    with pytest.raises(ValueError, match="lacks parameters.*experts.down_proj"):
+        fresh.load_checkpoint(tmp_path)
+    save_file(dict(rest), str(tmp_path / "b.safetensors"))
+    assert all(torch.equal(x, y) for x, y in zip(fresh.load_checkpoint(tmp_path).state_dict().values(),
+                                                 src.state_dict().values()))
+    ids, pos = torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs])
+    src.forward_packed(ids, pos).float().pow(2).mean().backward()
+    assert src.model.layers[0].mlp.experts.gate_up_proj.grad.abs().amax(dim=(1, 2)).gt(0).all()

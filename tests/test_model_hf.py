@@ -42,12 +42,13 @@ def test_logits_and_grads_vs_float64(ckpt):
     lp.sum().backward()
     lp_ref.sum().backward()
     grads = dict(ref.named_parameters())
-    checked = 0
+    checked = []
     for name, p in ours.named_parameters():
-        if name in grads:                      # HF fuses experts in memory; compare the rest
+        if name in grads:                      # transformers 5's names, stacked experts included
             assert rel_err(p.grad, grads[name].grad) < 1e-4, name
-            checked += 1
-    assert checked >= 10
+            checked.append(name)
+    assert len(checked) >= 10
+    assert ours.cfg.num_experts == 0 or "model.layers.0.mlp.experts.gate_up_proj" in checked
 
 
 def test_stock_hf_prefill_and_decode_differ(ckpt):

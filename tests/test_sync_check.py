@@ -64,3 +64,22 @@ def test_a_parameter_left_out_of_the_sync_is_named():
 def test_a_load_outside_a_sync_is_not_checked():
     """vLLM's own checkpoint load at start-up goes through load_weights without the markers."""
     assert len(receive(weights(), held=["x.weight"])) == 3
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_experts_synced_by_either_name(layout):
+    """verl's FSDP sync sends experts one by one under checkpoint names (it unfuses
+    transformers 5 stacks); the trainer's state_dict names them stacked: either covers
+    the rollout's experts, and a missing expert is named."""
+    from helpers import per_expert, random_model, tiny_config
+    from true_on_policy.models.causal_lm import sync_names
+    model = random_model(tiny_config("qwen3_moe"))
+    held, stacks = sync_names(model)
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in held and "model.layers.0.mlp.experts.down_proj" not in held
+    state = list(model.state_dict().items())
+    sent = list(per_expert(state)) if layout == "per_expert" else state
+    covers = lambda n: stacks.get(n, (n,))        # noqa: E731
+    assert len(list(sync_check.Receiver().filter(trainer_stream(sent), held, covers))) == len(sent)
+    gone = [(n, t) for n, t in sent if not n.startswith("model.layers.1.mlp.experts.")]
+    with pytest.raises(sync_check.WeightSyncMismatch, match="held by the rollout but not synced.*layers.1.mlp.experts"):
+        list(sync_check.Receiver().filter(trainer_stream(gone), held, covers))

@@ -260,14 +260,14 @@ GRACE_S = 60     # after a fatal line, time the job gets to exit by itself
 
 
 def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo", timeout=1200, metrics=None,
-            grace=GRACE_S):
+            grace=GRACE_S, python=PYTHON):
     """A training job in its own process group; returns (exit code, console, per-step records).
     Records are the JSON lines of verl's file logger (VERL_FILE_LOGGER_PATH; the recipe points
     it at its hydra run dir). A job that prints an exception line and is still running
     ``grace`` seconds later is stopped at once (a dead Ray or vLLM worker can leave verl waiting
     forever): the test fails with the cause, not by its timeout."""
     metrics = metrics or tmp_path / "metrics.jsonl"
-    proc = subprocess.Popen([PYTHON, "-m", module, *overrides], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(python), "-m", module, *overrides], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path,
                             env={**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics), **env})
     lines, fatal = [], threading.Event()
@@ -308,7 +308,7 @@ def test_a_job_whose_worker_died_ends_at_once_with_the_cause(tmp_path):
     assert "BufferError: cannot close exported pointers exist" in out and "[test] stopped" in out
 
 
-def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=()) -> tuple[int, str, list]:
+def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=(), python=PYTHON) -> tuple[int, str, list]:
     """The recipe for ``steps`` GRPO steps. The tiny model gets a sharp init (std 0.2): a
     rollout that does not run the trainer's weights then misses the trainer's log-ppl by
     nats, not by the bf16 noise of a synced one."""
@@ -317,7 +317,7 @@ def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=()) -> tupl
                                    f"true_on_policy.cache_dir={tmp_path / 'cache'}",
                                    f"true_on_policy.tiny_model.arch={arch}", "true_on_policy.tiny_model.init_std=0.2",
                                    "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *overrides],
-                   metrics=run_dir / "metrics.jsonl")
+                   metrics=run_dir / "metrics.jsonl", python=python)
 
 
 def _assert_synced_run(rc, out, records):

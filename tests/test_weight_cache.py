@@ -1,5 +1,5 @@
-"""The reference backend's fp64 weight copies and expert stacks (kept per weight version
-under inference mode, i.e. in the rollout): reused while a weight is unchanged, refreshed after any
+"""The reference backend's fp64 weight copies (kept per weight version under inference
+mode, i.e. in the rollout): reused while a weight is unchanged, refreshed after any
 in-place update (verl's weight sync through load_weights, an optimizer-style op), never
 used outside inference mode; the bits are those of a per-call widening."""
 import torch
@@ -39,7 +39,7 @@ def test_rollout_follows_in_place_weight_sync():
     with torch.no_grad():                                      # any in-place op bumps the version
         for m in (model, new):
             m.lm_head.weight.mul_(2)
-            m.model.layers[1].mlp.experts["3"].down_proj.weight.mul_(-1)   # one expert of the stack
+            m.model.layers[1].mlp.experts.down_proj[3].mul_(-1)   # one expert's row of the stack
     assert torch.equal(logits(model, ids, pos, inference=True), logits(new, ids, pos, inference=False))
 
 
@@ -52,8 +52,7 @@ def test_linear_bits_with_and_without_the_copy():
 
 
 def test_fsdp2_refills_parameters_without_a_version_bump(tmp_path):
-    """Why every weight cache here lives under inference mode only (reference ``kept``, the
-    Triton expert stacks): in training, FSDP2 hands the forward the same unsharded parameter
+    """Why every weight cache here lives under inference mode only (reference ``kept``): in training, FSDP2 hands the forward the same unsharded parameter
     object, refilled in place with the new weights but at the same version."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard

@@ -22,41 +22,14 @@ triton = pytest.importorskip("triton")
 
 import numpy as np  # noqa: E402
 import triton.language as tl  # noqa: E402
-import triton.runtime.interpreter as interp  # noqa: E402
 
 import consistent_ops as co  # noqa: E402
+from interpreter_bf16 import fix_interpreter_bf16  # noqa: E402
 import consistent_ops.reference as R  # noqa: E402
 import consistent_ops.triton as T  # noqa: E402
 
 
-def _fix_interpreter_bf16():
-    """Two bf16 gaps of the numpy interpreter (triton 3.9), not of the GPU backend:
-    tl.dot multiplies the raw uint16 storage of bf16 operands, and fp32 -> bf16 casts
-    truncate instead of rounding to nearest even. Patch both to the GPU's semantics."""
-    builder = interp.InterpreterBuilder
-    if getattr(builder, "_cops_fixed", False):
-        return
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def as_f32(h):
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        data = interp._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32)
-        return interp.TensorHandle(data, tl.float32)
-
-    def create_dot(self, a, b, d, precision, max_imprecise):
-        return dot(self, as_f32(a), as_f32(b), d, precision, max_imprecise)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return interp.TensorHandle(t.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    builder.create_dot, builder.cast_impl, builder._cops_fixed = create_dot, cast_impl, True
-
-
-_fix_interpreter_bf16()
+fix_interpreter_bf16()
 BF16 = torch.bfloat16
 
 
@@ -168,6 +141,41 @@ def test_rms_norm_and_fused_residual():
     assert torch.equal(T.rms_norm(x[5:6], w, 1e-6), T.rms_norm(x, w, 1e-6)[5:6])
 
 
+def _norm_grads(fused, x, r, w, dy, dr):
+    xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
+    if fused:
+        y, res = T.add_rms_norm(xg, rg, wg, 1e-6)
+        ((y.float() * dy.float()).sum() + (res.float() * dr.float()).sum()).backward()
+    else:
+        (T.rms_norm(xg, wg, 1e-6).float() * dy.float()).sum().backward()
+    return xg.grad, rg.grad, wg.grad
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_backward_vs_float64_and_deterministic(fused):
+    """The backward kernel (dx, + the fused residual's gradient) and dweight's column sum."""
+    x, r, dy, dr = (rand(33, 96, seed=s) for s in (20, 21, 22, 23))
+    w = torch.rand(96, generator=torch.Generator().manual_seed(24)) + 0.5
+    grads = _norm_grads(fused, x, r, w, dy, dr)
+    x6, r6, w6 = (t.double().requires_grad_() for t in (x, r, w))
+    s6 = x6 + r6 if fused else x6
+    y6 = s6 / torch.sqrt(s6.square().mean(-1, keepdim=True) + 1e-6) * w6
+    ((y6 * dy.double()).sum() + ((s6 * dr.double()).sum() if fused else 0)).backward()
+    assert rel(grads[0], x6.grad) < 1e-2 and rel(grads[2], w6.grad) < 1e-2
+    assert (grads[1] is not None) == fused and (not fused or torch.equal(grads[1], grads[0]))
+    assert all(a is b or torch.equal(a, b) for a, b in zip(grads, _norm_grads(fused, x, r, w, dy, dr)))
+
+
+def test_rope_backward_is_the_reference_autograd():
+    """RoPE's gradient is the forward kernel rotating back: autograd of the torch form, bit for bit."""
+    _, x, cos, sin, _ = fused_cases()
+    dy = rand(*x.shape, seed=25)
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (T.apply_rope(xg, cos, sin).float() * dy.float()).sum().backward()
+    (R.apply_rope(xr, cos, sin).float() * dy.float()).sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+
+
 def test_log_softmax_temperature_and_vocab_limit():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 9000, generator=g) * 4
@@ -215,42 +223,40 @@ def test_moe_route_and_contributions(moe):
     assert torch.equal(torch.where(own_lo[..., None], lo, hi), contrib) and torch.equal(own_lo ^ own_hi, owned)
     odd, own_odd = T.moe_expert_contributions(x, ids, w, experts, [1, 3, 6])     # not a range: lookup table
     assert torch.equal(odd[own_odd], contrib[own_odd]) and not own_odd.all()
-    # the rollout's stacked layout (ExpertStack) is read in place: the same bits
-    stack = co.ExpertStack(*(torch.stack([experts[e][i] for e in range(E)]) for i in range(3)), range(E))
+    # the model's stacked layout (ExpertStack: gate_up [E, 2I, H], down) is read in place: the same bits
+    stack = co.ExpertStack(torch.stack([torch.cat(experts[e][:2]) for e in range(E)]),
+                           torch.stack([experts[e][2] for e in range(E)]), range(E))
     assert torch.equal(T.moe_expert_contributions(x, ids, w, stack)[0], contrib)
     assert torch.equal(R.moe_expert_contributions(x, ids, w, stack)[0], contrib_ref)
+    assert torch.equal(T.moe_expert_contributions(x, ids, w, stack, [0, 1, 2])[0], lo)
 
 
 def test_moe_gradients(moe):
+    """Per-expert tensors and the stacks (gradients straight into gate_up / down) give the
+    same gradients, close to the reference's."""
     x0, gate, experts = moe
 
-    def run(backend):
-        x = x0.clone().requires_grad_()
+    def run(backend, stacked, local=None):
+        x, router = x0.clone().requires_grad_(), gate.clone().requires_grad_()
         ex = {e: tuple(t.clone().requires_grad_() for t in ws) for e, ws in experts.items()}
-        ids, w = backend.moe_route(x, gate, K)
-        contrib, _ = backend.moe_expert_contributions(x, ids, w, ex)
+        if stacked:
+            gate_up = torch.stack([torch.cat(experts[e][:2]) for e in range(E)]).requires_grad_()
+            down = torch.stack([experts[e][2] for e in range(E)]).requires_grad_()
+            ex = co.ExpertStack(gate_up, down, range(E))
+        ids, w = backend.moe_route(x, router, K)
+        if local is not None:             # this rank's experts only (EP): rows not a multiple of 8
+            ex = co.ExpertStack(ex.gate_up[local[0]:local[-1] + 1], ex.down[local[0]:local[-1] + 1], local)
+        contrib, _ = backend.moe_expert_contributions(x, ids, w, ex, local)
         (contrib * torch.linspace(-1, 1, H)).sum().backward()
-        return x.grad, ex[1][2].grad
+        if stacked:
+            return x.grad, router.grad, down.grad[1], gate_up.grad[2]
+        return x.grad, router.grad, ex[1][2].grad, torch.cat([ex[2][0].grad, ex[2][1].grad])
 
-    for mine, ref in zip(run(T), run(R)):
-        assert rel(mine, ref) < 2e-2
-
-
-def test_expert_stacks_cached_in_inference_mode_only():
-    """The grouped kernels' stacked expert weights: cached in the rollout (inference mode,
-    restacked after an in-place load), stacked per call in training, where FSDP2 refills
-    parameters without a version bump (test_weight_cache.py)."""
-    from consistent_ops.triton import moe as M
-    flat = [torch.randn(4, 3) for _ in range(6)]              # 2 experts x (gate, up, down)
-    first = M._stacked(flat, 2)
-    flat[0].data.mul_(2)                                       # FSDP2-style refill: no version bump
-    assert torch.equal(M._stacked(flat, 2)[0][0], flat[0]) and not torch.equal(first[0][0], flat[0])
-    with torch.inference_mode():
-        cached = M._stacked(flat, 2)
-        assert M._stacked(flat, 2)[0] is cached[0]
-        with torch.no_grad():
-            flat[4].mul_(-1)                                   # a weight load: bumps the version
-        assert torch.equal(M._stacked(flat, 2)[2][0], flat[4])
+    ref = run(R, False)
+    for mine, stacked, want in zip(run(T, False), run(T, True), ref):
+        assert torch.equal(mine, stacked) and rel(mine, want) < 2e-2
+    for mine, want in zip(run(T, True, [1, 2, 3]), run(R, True, [1, 2, 3])):
+        assert rel(mine, want) < 2e-2
 
 
 def test_kv_cache_write_skips_padding_slots():

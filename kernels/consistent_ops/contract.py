@@ -31,11 +31,14 @@ TRITON_LOGPROB_BLOCK = 4096
 COMMON = {
     "attention": (
         "causal GQA; keys walked in blocks of KV_BLOCK from position 0 in order; per block "
-        "s = contract_dot(q, k) * scale (fp32), masked (key_pos > query_pos or >= seq_len) to -inf; "
-        "online softmax in fp32: m' = max(m, rowmax s); a = exp(m - m'); p = exp(s - m'); "
-        "l = l*a + rowsum(p); acc = acc*a + contract_dot(p, v); out = acc / l, rounded to the "
-        "input dtype. Fully masked blocks are exact no-ops (a = 1, p = 0), so walking further "
-        "never changes bits. KV for this step is written to the cache before attention."),
+        "s = contract_dot(q, k) (fp32), masked (key_pos > query_pos or >= seq_len) to -inf; "
+        "online softmax in fp32, in the base the backend's ACCUMULATION names: base e: "
+        "m' = max(m, rowmax(s*scale)); a = exp(m - m'); p = exp(s*scale - m') (s*scale rounded first); "
+        "base 2: c = scale*log2(e) in fp64 rounded to fp32, m' = max(m, rowmax(s)*c); a = exp2(m - m'); "
+        "p = exp2(fma(s, c, -m')) (one rounding); then l = l*a + rowsum(p); acc = acc*a + "
+        "contract_dot(p, v); out = acc / l, rounded to the input dtype. Fully masked blocks are exact "
+        "no-ops (a = 1, p = 0), so walking further never changes bits. KV for this step is written to "
+        "the cache before attention."),
     "linear": "out[m, n] = contract_dot(x[m, :], w[n, :]) (+ bias in fp32), rounded to out dtype",
     "linear_row_parallel": (
         "k contiguous K-shards in rank order; each rank's partial is the contraction of its "
@@ -101,7 +104,7 @@ ACCUMULATION = {
             "other devices: fp64 BLAS; rounded once to fp32"),
         "reductions": "fp64, rounded once to fp32; RMSNorm's sum of squares is contract_dot(x, x)",
         "attention": (
-            "CPU: one native pass per (sequence, KV head) over K/V blocks (reference/dot64.c "
+            "softmax base e; CPU: one native pass per (sequence, KV head) over K/V blocks (reference/dot64.c "
             "attend64), row sums of p in the contract_dot lane order, exp from libm in fp64; "
             "sqrt: IEEE (libm sqrtf)"),
         "tp_partial_dtype": "float64",
@@ -115,18 +118,20 @@ ACCUMULATION = {
             "MoE experts: the same walk over one expert's rows (gate/up fp32, rounded, SiLU*up; down "
             "fp32 times the routing weight), a 16-row tile up to 2048 (token, slot) rows and a 128-row tile "
             "above, both giving identical bits on the H200; "
-            "attention: p rounded to the value dtype for contract_dot(p, v), acc*a fed as the MMA "
-            "accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every path"),
+            "attention: softmax base 2, p rounded to the value dtype for contract_dot(p, v), acc*a fed as "
+            "the MMA accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every "
+            "path"),
         "reductions": (
-            "fp32, one row per program, tree shape a function of the row length only (RMSNorm, router "
+            "fp32, whole rows per program (RMSNorm packs rows of H < 2048 to 2048 elements a program), each row "
+            "reduced along its own axis, tree shape a function of the row length only (RMSNorm, router "
             "softmax; without autograd the router's top-k and renormalisation run in the same kernel); "
             f"log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
             f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator, then one tree sum; attention row max/sum stay "
             "inside one warp"),
         "transcendentals": (
-            "exp/log in fp64 (libdevice) rounded to fp32, except the attention online softmax: fp32 exp "
-            "(ex2.approx, exp(0) = 1 and exp(-inf) = 0 exactly); sqrt and division IEEE (sqrt_rn, div_rn); "
-            "no FMA contraction (enable_fp_fusion=False)"),
+            "exp/log in fp64 (libdevice) rounded to fp32, except the attention online softmax: fp32 exp2 "
+            "(ex2.approx, exp2(0) = 1 and exp2(-inf) = 0 exactly); sqrt and division IEEE (sqrt_rn, div_rn); "
+            "no FMA contraction (enable_fp_fusion=False) except the explicit fma of the attention's p"),
         "tp_partial_dtype": "float32",
     },
     "ascend": {
@@ -139,7 +144,8 @@ ACCUMULATION = {
         "attention": (
             "flash-attention-npu consistency build where flash_attn_npu_v3 imports: keys in stacks of "
             "ASCEND_KV_BLOCK from position 0, fp32 softmax state, p rounded to bf16, num_splits 1, pages of "
-            "128; otherwise the triton attention (KV_BLOCK); realisation: attention, kv_block"),
+            "128 (its softmax base); otherwise the triton attention (KV_BLOCK, base 2); realisation: "
+            "attention, kv_block"),
         "transcendentals": (
             "fp32 exp/log (A2/A3 cores have no fp64) in every kernel and in silu_mul; RoPE cos/sin tables "
             "in fp64 on the host CPU (the reference's); sqrt and division IEEE (sqrt_rn, div_rn)"),

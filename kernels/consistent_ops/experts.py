@@ -1,21 +1,26 @@
-"""Local experts' weights held stacked, as vLLM's fused MoE keeps them.
+"""Local experts' weights held stacked, as transformers 5 and vLLM's fused MoE keep them.
 
 ``moe_expert_contributions`` takes experts as a mapping ``e -> (w_gate [I, H], w_up [I, H],
-w_down [H, I])``. A rollout model keeps its experts in three stacked tensors instead (the
-per-expert parameters are views of them), so a grouped kernel reads the stack as it is:
-restacking 128 experts per layer and step cost more than the experts' matmuls at decode
-sizes, and a cached second copy doubles the weights' memory. ``ExpertStack`` is that mapping
-over the stacks; backends that want the stack take ``.gate``, ``.up``, ``.down``; others
-index it like any mapping. The layout never changes bits: the same tensors, the same kernel.
-A stack carries no autograd: a caller that trains passes the per-expert weights.
+w_down [H, I])``. The model keeps a layer's local experts in two stacked tensors instead,
+``gate_up`` [L, 2I, H] (each expert's gate rows, then its up rows) and ``down`` [L, H, I]
+(transformers 5's ``gate_up_proj`` / ``down_proj``), and the grouped kernels read them as
+they are: restacking 128 experts per layer and step cost more than the experts' matmuls at
+decode sizes, and hundreds of per-expert parameters cost the trainer a gradient
+accumulation and a slice each. ``ExpertStack`` is that mapping over the stacks; backends
+that want the stack take ``.gate`` / ``.up`` (strided views of ``gate_up``, no copy) and
+``.down``; others index it like any mapping. The stacks carry autograd: a backward through
+them accumulates straight into the stacked gradients. The layout never changes bits: the
+same values, the same kernel.
 """
 from collections.abc import Mapping
 
 
 class ExpertStack(Mapping):
-    def __init__(self, gate, up, down, local):
-        """gate, up [L, I, H]; down [L, H, I]; local: the L expert ids, ascending."""
-        self.gate, self.up, self.down, self.local = gate, up, down, list(local)
+    def __init__(self, gate_up, down, local):
+        """gate_up [L, 2I, H]; down [L, H, I]; local: the L expert ids, ascending."""
+        inter = down.shape[-1]
+        self.gate_up, self.down, self.local = gate_up, down, list(local)
+        self.gate, self.up = gate_up[:, :inter], gate_up[:, inter:]
         self._row = {e: i for i, e in enumerate(self.local)}
 
     def __getitem__(self, e):

@@ -62,27 +62,30 @@ class Receiver:
     def __init__(self):
         self.table = None
 
-    def filter(self, weights, expected_names):
+    def filter(self, weights, expected_names, covers=None):
         """Pass the weights through, digesting them; verify on SYNC_ITEM. ``expected_names``:
-        the parameters this rank holds, each of which a sync must set."""
+        the tensors this rank holds, each of which a sync must set; ``covers(name)``: the
+        expected names a received tensor sets (default: its own name; e.g. a stack of
+        experts sets each expert's)."""
         for name, tensor in weights:
             if name == SYNC_START:
                 self.table = {}
             elif name == SYNC_ITEM:
-                self.verify(decode(tensor), expected_names)
+                self.verify(decode(tensor), expected_names, covers)
             else:
                 if self.table is not None:
                     self.table[name] = digest(tensor)
                 yield name, tensor
 
-    def verify(self, sent: dict, expected_names):
+    def verify(self, sent: dict, expected_names, covers=None):
         got, self.table = self.table or {}, None
+        covered = {c for n in got for c in (covers(n) if covers else (n,))}
         problems = []
         differ = sorted(n for n in sent.keys() & got.keys() if sent[n] != got[n])
         for what, names in (("arrived with other bytes", differ),
                             ("sent but not received", sorted(sent.keys() - got.keys())),
                             ("received but not sent", sorted(got.keys() - sent.keys())),
-                            ("held by the rollout but not synced", sorted(set(expected_names) - got.keys()))):
+                            ("held by the rollout but not synced", sorted(set(expected_names) - covered))):
             if names:
                 problems.append(f"{len(names)} {what} (e.g. {', '.join(names[:3])})")
         if problems:

@@ -16,16 +16,13 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, num_heads=32, num_kv_h
                      rms_norm_eps=1e-6, rope_theta=1e6)
 
 
-def build_model(layers=4, seed=0, device="cuda", stacked=True):
-    """Our trainer/rollout model with random weights (std 0.02, norms near 1). stacked:
-    experts kept in stacked tensors, as the vLLM model class keeps them (the trainer's
-    forward is the same either way; autograd uses the per-expert views)."""
+def build_model(layers=4, seed=0, device="cuda"):
+    """Our trainer/rollout model with random weights (std 0.02, norms near 1); experts
+    stacked, as both engines keep them."""
     from true_on_policy.models import ConsistentForCausalLM, ModelConfig
     cfg = ModelConfig(arch="qwen3_moe", num_layers=layers, moe_layers=list(range(layers)), **QWEN3_30B_A3B)
     with torch.device(device):
         model = ConsistentForCausalLM(cfg)
-    if stacked:
-        model.stack_experts()
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

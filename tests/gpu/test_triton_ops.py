@@ -213,27 +213,41 @@ def test_moe_rows_across_tile_configs(moe):
     full, _ = co.moe_expert_contributions(x, ids, w, experts)
     for lo, hi in ((0, 1), (0, 64), (0, 256), (0, 257), (0, 2048), (100, 5100), (8000, 8192)):   # decode tile <= 256
         assert torch.equal(co.moe_expert_contributions(x[lo:hi], ids[lo:hi], w[lo:hi], experts)[0], full[lo:hi])
-    wg, wu, wd = (torch.stack([experts[e][i] for e in range(E)]) for i in range(3))
-    stack = co.ExpertStack(wg, wu, wd, range(E))       # the rollout's stacked layout: same bits
+    gate_up = torch.stack([torch.cat(experts[e][:2]) for e in range(E)])
+    wd = torch.stack([experts[e][2] for e in range(E)])
+    stack = co.ExpertStack(gate_up, wd, range(E))       # the model's stacked layout: same bits
     assert torch.equal(co.moe_expert_contributions(x[:300], ids[:300], w[:300], stack)[0], full[:300])
     for cfg in (tmoe._TILES, tmoe._DECODE, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
-        got = tmoe._grouped_kernel(x[:3000], w[:3000], wg, wu, wd, ids=ids[:3000], local=list(range(E)), cfg=cfg)
+        got = tmoe._grouped_kernel(x[:3000], w[:3000], gate_up, wd, ids=ids[:3000], local=list(range(E)), cfg=cfg)
         assert torch.equal(got[0], full[:3000]), cfg[0]
 
 
-def test_moe_stack_cache_follows_in_place_updates(moe):
-    """The stacked-weight cache (rollout: inference mode): hit while unchanged, restacked
-    after an in-place update (a weight load)."""
-    x, gate, experts = moe
-    ex = {e: tuple(t.clone() for t in ws) for e, ws in experts.items()}
-    ids, w = co.moe_route(x[:64], gate, TOPK)
+def test_moe_stacks_read_in_place_with_autograd(moe):
+    """The model's stacks (gate_up [E, 2I, H], down): read in place, so an in-place update
+    (a weight load) is seen at once; their gradients are the per-expert tensors' bit for bit."""
+    x0, gate, experts = moe
+    x0 = x0[:512]
+    ids, w = co.moe_route(x0, gate, TOPK)
+    gate_up = torch.stack([torch.cat(experts[e][:2]) for e in range(E)]).requires_grad_()
+    down = torch.stack([experts[e][2] for e in range(E)]).requires_grad_()
+    grads = []
+    for ex in ({e: tuple(t.clone().requires_grad_() for t in ws) for e, ws in experts.items()},
+               co.ExpertStack(gate_up, down, range(E))):
+        x = x0.clone().requires_grad_()
+        contrib, _ = co.moe_expert_contributions(x, ids, w, ex)
+        (contrib * torch.linspace(-1, 1, H, device=DEV)).sum().backward()
+        e = int(ids[0, 0])
+        grads.append((x.grad, ex[e][0].grad if isinstance(ex, dict) else gate_up.grad[e, :INTER],
+                      ex[e][2].grad if isinstance(ex, dict) else down.grad[e]))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    stack = co.ExpertStack(gate_up.detach(), down.detach(), range(E))
     with torch.inference_mode():
-        a = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
-        assert torch.equal(co.moe_expert_contributions(x[:64], ids, w, ex)[0], a)
-        ex[int(ids[0, 0])][0].mul_(2)
-        b = co.moe_expert_contributions(x[:64], ids, w, ex)[0]
-    fresh = {e: tuple(t.clone() for t in ws) for e, ws in ex.items()}
-    assert not torch.equal(a, b) and torch.equal(b, co.moe_expert_contributions(x[:64], ids, w, fresh)[0])
+        before = co.moe_expert_contributions(x0[:64], ids[:64], w[:64], stack)[0]
+    with torch.no_grad():
+        gate_up[int(ids[0, 0])].mul_(2)
+    with torch.inference_mode():
+        after = co.moe_expert_contributions(x0[:64], ids[:64], w[:64], stack)[0]
+    assert not torch.equal(before, after)
 
 
 # ---------------------------------------------------------------- fused rollout kernels

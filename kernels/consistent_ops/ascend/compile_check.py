@@ -145,6 +145,8 @@ def _battery(ops, model):
     ops.attention_varlen(q, k, v, cu).float().sum().backward()
     logits = torch.randn(300, vocab, requires_grad=True)
     ops.token_logprobs(logits, torch.zeros(300, dtype=torch.long), 0.7).sum().backward()
+    xn = torch.randn(300, hidden, **bf, requires_grad=True)
+    ops.add_rms_norm(xn, xn, torch.ones(hidden, **bf), 1e-6)[0].float().sum().backward()   # norm backward
     with torch.no_grad():
         ops.attention_varlen(q, k, v, cu)                  # prefill without cache
         # rollout: paged KV cache (pages of 128: the flash-attention-npu page size), decode + chunks
@@ -179,9 +181,9 @@ def main(argv=None):
               "run this through scripts/ascend_compile_check.sh", file=sys.stderr)
         return 2
     if args.cuda_constructs:
-        from ..triton import gemm, logprobs, norm
+        from ..triton import gemm, logprobs
         common.FP64_TRANSCENDENTALS = tl.constexpr(True)
-        norm.SCALAR_DIV_RN = logprobs.SCALAR_DIV_RN = tl.constexpr(True)
+        logprobs.SCALAR_DIV_RN = tl.constexpr(True)
         gemm.HALF_DOT_PRECISION = "tf32"
     compiler = Compiler()
     triton.compiler.compile = compiler      # what JITFunction.create_binder picks up

@@ -29,7 +29,7 @@ def to64(x: torch.Tensor) -> torch.Tensor:
 
 
 def kept(cache, tensors, make):
-    """make() (a copy derived from weight ``tensors``: fp64, or stacked experts), kept in
+    """make() (a copy derived from weight ``tensors``, e.g. fp64), kept in
     ``cache`` while each tensor is the same object at the same version, under inference
     mode only.
 

@@ -1,8 +1,8 @@
 """MoE routing, per-(token, slot) expert contributions, slot-ordered combine."""
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .core import exp32, kept, matmul32, sum32
+from ..experts import ExpertStack
+from .core import exp32, matmul32, sum32
 from .linear import linear
 from .pointwise import silu_mul
 
@@ -29,23 +29,22 @@ def _pairs_by_expert(ids, local):
     return pairs[:, :int(counts.max())], counts
 
 
-_STACKS = WeakIdKeyDictionary()
-
-
-def _stacked(weights):
-    """[(w_gate, w_up, w_down)] of the local experts -> [L, H, 2I] (gate columns, then up)
-    and [L, I, H], i.e. stacked and transposed for x @ w; kept per version in the rollout."""
-    def make():
-        gate_up = torch.stack([torch.cat(w[:2]) for w in weights]).transpose(1, 2)
-        return gate_up, torch.stack([w[2] for w in weights]).transpose(1, 2)
-    return kept(_STACKS, tuple(t for w in weights for t in w), make)
+def _stacked(experts, local):
+    """The local experts as [L, H, 2I] (gate columns, then up) and [L, I, H], i.e. stacked
+    and transposed for x @ w: an ExpertStack's tensors as they are (views), a mapping's
+    per-expert tensors concatenated."""
+    if isinstance(experts, ExpertStack) and experts.local == list(local):
+        return experts.gate_up.transpose(1, 2), experts.down.transpose(1, 2)
+    weights = [experts[e] for e in local]
+    gate_up = torch.stack([torch.cat(w[:2]) for w in weights]).transpose(1, 2)
+    return gate_up, torch.stack([w[2] for w in weights]).transpose(1, 2)
 
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32: routing weight * expert(x) for the slots whose expert is
     local (zeros elsewhere), and owned [T, k]. experts[e] = (w_gate [I, H], w_up [I, H],
-    w_down [H, I]). All local experts run as one batched matmul over their (token, slot)
-    rows, padded to the largest group (padding rows are not computed); every row is its own
+    w_down [H, I]), or an ExpertStack (read in place). All local experts run as one
+    batched matmul over their (token, slot) rows, padded to the largest group (padding rows are not computed); every row is its own
     contract dot products rounded once (as in ``linear``), so a contribution has the same
     bits on whichever rank, and in whichever token group, it is computed."""
     t, k = ids.shape
@@ -56,7 +55,7 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     if local and t:
         pairs, counts = _pairs_by_expert(ids, local)
         valid = torch.arange(pairs.shape[1], device=x.device) < counts[:, None]
-        w_gate_up, w_down = _stacked([experts[e] for e in local])
+        w_gate_up, w_down = _stacked(experts, local)
         gate, up = matmul32(x[pairs // k], w_gate_up, counts).to(x.dtype).chunk(2, -1)
         out = matmul32(silu_mul(gate, up), w_down, counts) * weights.reshape(-1)[pairs].unsqueeze(-1)
         sel = pairs[valid]

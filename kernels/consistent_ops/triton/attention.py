@@ -8,12 +8,13 @@ order, with the contract's online-softmax update; the varlen (training) and page
 position p is stored). A row's bits depend on its q, its position and the keys only:
 - every row sees the same instructions: every path launches the same tile (64 rows,
   4 warps: one warpgroup's wgmma m64; a row's max/sum never leaves its warp);
-- a block a row cannot see is an exact no-op (a = exp(0) = 1, p = exp(-inf) = 0), so
+- a block a row cannot see is an exact no-op (a = exp2(0) = 1, p = exp2(-inf) = 0), so
   a tile that walks further for its later rows leaves earlier rows' bits unchanged.
-The backward (training only) recomputes p from the saved log-sum-exp with the same
-masks; dK/dV are accumulated by the program that owns the key block, over query
-tiles in ascending order, and dQ by the program that owns the query tile, over key
-blocks in ascending order: no atomics, so gradients are run-to-run deterministic.
+The softmax runs in base 2 (contract.ACCUMULATION["triton"]). The backward (training
+only) recomputes p from the saved base-2 log-sum-exp with the same masks; dK/dV are
+accumulated by the program that owns the key block, over query tiles in ascending order,
+and dQ by the program that owns the query tile, over key blocks in ascending order: no
+atomics, so gradients are run-to-run deterministic.
 """
 import math
 
@@ -25,11 +26,18 @@ from ..contract import KV_BLOCK
 from .common import EXACT
 
 # Forward tile (rows, warps), ONE for every path. On the H200 it was also the fastest for
-# prefill (16k: 64/4 5.7 ms vs 128/8 6.6 ms) and decode (3.1 vs 1.5 TB/s).
+# chunked prefill (2k chunk at 8k: 64/4 0.83 ms vs 128/8 0.93 ms) and decode (3.1 vs 1.5 TB/s);
+# 128/8 is faster for a 16k varlen prompt (4.95 vs 5.37 ms), but one tile keeps every path's
+# instructions the same by construction.
 _TILE, _STAGES = (64, 4), 3
 # Backward tiles (rows, keys, warps): gradients need determinism, not the forward's tiling.
-# Sized so that no accumulator spills (checked with the compiler's resource report).
-_BWD_DQ, _BWD_DKDV, _BWD_STAGES = (64, 64, 4), (32, 64, 4), 2
+# Sized so that no accumulator spills (checked with the compiler's resource report); dK/dV
+# over 64-row query tiles: 4.66 ms vs 5.05 for 32 rows at S=4k x4 (probe_attention_bwd).
+_BWD_DQ, _BWD_DKDV, _BWD_STAGES = (64, 64, 4), (64, 64, 4), 2
+# The online softmax runs in base 2 with the logit scale folded into one FMA (two fp32
+# operations fewer per score than exp(s * scale - m)): on the H200 the forward got 11-14 %
+# faster (probe_attention). qk_scale = scale * log2(e) in fp64, rounded to fp32 once.
+_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -45,19 +53,19 @@ def _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE: tl.constexpr, P
 
 
 @triton.jit
-def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len, scale,
+def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len, qk_scale,
                   D: tl.constexpr, MASK: tl.constexpr):
-    """One KV block of the contract's online softmax, in its order m, a, p, l, acc."""
+    """One KV block of the contract's online softmax (base 2), in its order m, a, p, l, acc."""
     d = tl.arange(0, D)
     k = tl.load(K + krow[:, None] * stride_k + d[None, :])
     v = tl.load(V + krow[:, None] * stride_v + d[None, :])
-    s = tl.dot(q, tl.trans(k)) * scale                               # fp32 [rows, KV_BLOCK]
+    qk = tl.dot(q, tl.trans(k))                                      # fp32 [rows, KV_BLOCK]
     if MASK:  # causal and end-of-sequence mask (only diagonal/tail blocks need it)
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seq_len)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    a = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1) * qk_scale)                  # == max(qk * qk_scale): scale > 0
+    a = tl.exp2(m - m_new)
+    p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))               # one rounding
     l = l * a + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * a[:, None])                 # p rounded to v's dtype
     return acc, m_new, l
@@ -65,7 +73,7 @@ def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_
 
 @triton.jit
 def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
-                 Table, stride_tab, scale, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
+                 Table, stride_tab, qk_scale, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
                  PAGE: tl.constexpr, PAGED: tl.constexpr):
     """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
     lie in [first_pos, last_pos]. Returns the unnormalised acc, the row max m and sum l."""
@@ -79,12 +87,12 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
         kpos = j * KV + offs
         krow = _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
-                                  scale, D, False)
+                                  qk_scale, D, False)
     for j in range(n_full, n_blocks):
         kpos = j * KV + offs
         krow = _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
-                                  scale, D, True)
+                                  qk_scale, D, True)
     return acc, m, l
 
 
@@ -100,7 +108,7 @@ def _tile_rows(tile, n_new, ROWS: tl.constexpr, G: tl.constexpr, TPT: tl.constex
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table,
                      stride_qt, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
-                     stride_ot, stride_oh, stride_tab, scale,
+                     stride_ot, stride_oh, stride_tab, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
@@ -126,17 +134,17 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table,
     last_pos = tl.minimum(first_pos + TPT - 1, seq_len - 1)
     acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos,
                              K + kvh * stride_kh, V + kvh * stride_vh, stride_k, stride_v,
-                             Table, stride_tab, scale, ROWS, D, KV, PAGE, PAGED)
+                             Table, stride_tab, qk_scale, ROWS, D, KV, PAGE, PAGED)
     # 4. out = acc / l (IEEE division), rounded to the input dtype
     out = tl.div_rn(acc, l[:, None])
     tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(O.dtype.element_ty), mask=valid[:, None])
     if STORE_LSE:  # log-sum-exp for the backward's recomputation of p
-        tl.store(LSE + qrow * (G * tl.num_programs(2)) + head, m + tl.log(l), mask=valid)
+        tl.store(LSE + qrow * (G * tl.num_programs(2)) + head, m + tl.log2(l), mask=valid)   # base 2
 
 
 @triton.jit
-def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, scale,
+def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, qk_scale,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
     d = tl.arange(0, D)
     kpos = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +152,7 @@ def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, sc
     kptr = krow[:, None] * stride_kt + kvh * D + d[None, :]
     k = tl.load(K + kptr)
     v = tl.load(V + kptr)
-    p = tl.exp(tl.dot(q, tl.trans(k)) * scale - lse[:, None])
+    p = tl.exp2(tl.fma(tl.dot(q, tl.trans(k)), qk_scale, -lse[:, None]))     # base 2, as the forward
     if MASK:
         p = tl.where((kpos[None, :] <= tok[:, None]) & (kpos[None, :] < n), p, 0.0)
     ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
@@ -152,7 +160,7 @@ def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, sc
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scale,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scale, qk_scale,
                    G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, HQ: tl.constexpr):
     """dQ for one query tile: key blocks walked from 0 in order into one accumulator.
@@ -179,14 +187,14 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scal
     first = tile * TPT
     last = tl.minimum(first + TPT - 1, n - 1)
     for j in range(0, (first + 1) // BLOCK_N):             # keys every row sees: no mask
-        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, scale, D, BLOCK_N, False)
+        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, qk_scale, D, BLOCK_N, False)
     for j in range((first + 1) // BLOCK_N, last // BLOCK_N + 1):
-        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, scale, D, BLOCK_N, True)
+        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, qk_scale, D, BLOCK_N, True)
     tl.store(DQ + qptr, (dq * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
-def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, scale,
+def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
                    G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                    HQ: tl.constexpr, MASK: tl.constexpr):
     tok, hg, valid = _tile_rows(t, n, ROWS, G, TPT)
@@ -198,7 +206,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_
     do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
     lse = tl.load(LSE + qrow * HQ + head, mask=valid, other=0.0)
     delta = tl.load(Delta + qrow * HQ + head, mask=valid, other=0.0)
-    pt = tl.exp(tl.dot(k, tl.trans(q)) * scale - lse[None, :])        # [keys, rows]
+    pt = tl.exp2(tl.fma(tl.dot(k, tl.trans(q)), qk_scale, -lse[None, :]))   # [keys, rows]
     if MASK:
         pt = tl.where(kpos[:, None] <= tok[None, :], pt, 0.0)
     dv = tl.dot(pt.to(do.dtype), do, dv)
@@ -208,7 +216,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, Cu, stride_t, stride_kt, scale,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, Cu, stride_t, stride_kt, scale, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      BLOCK_N: tl.constexpr, HQ: tl.constexpr):
     """dK, dV for one key block: query tiles walked in ascending order (fixed order,
@@ -231,10 +239,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, Cu, stride_t, stride_kt, s
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     t_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), tl.cdiv(n, TPT))   # first tile seeing all keys
     for t in range(n0 // TPT, t_full):
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, scale,
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
                                 G, TPT, ROWS, D, HQ, True)
     for t in range(t_full, tl.cdiv(n, TPT)):
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, scale,
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
                                 G, TPT, ROWS, D, HQ, False)
     tl.store(DK + kptr, (dk * scale).to(DK.dtype.element_ty), mask=kin[:, None])
     tl.store(DV + kptr, dv.to(DV.dtype.element_ty), mask=kin[:, None])
@@ -271,13 +279,15 @@ def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None,
     _attn_fwd_kernel[grid](
         q, k, v, o, lse if lse is not None else o, q_start, seq_lens, tab,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
-        tab.stride(0) if paged else 0, scale,
+        tab.stride(0) if paged else 0, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=q.shape[-1], KV=KV_BLOCK, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
-def _backward(q, k, v, o, lse, do, cu, max_len, scale):
+def _backward(q, k, v, o, lse, do, cu, max_len, scale, tiles=None):
+    """dQ, dK, dV. tiles: (dQ tile, dK/dV tile, stages) instead of the backward's (probes only)."""
+    dq_tile, dkdv_tile, stages = tiles or (_BWD_DQ, _BWD_DKDV, _BWD_STAGES)
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
     g = hq // hkv
@@ -287,16 +297,16 @@ def _backward(q, k, v, o, lse, do, cu, max_len, scale):
     delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)   # written by the dQ kernel
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     s = len(cu) - 1
-    rows, keys, warps = _BWD_DQ
-    if g > min(_BWD_DQ[0], _BWD_DKDV[0]):
-        raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {_BWD_DKDV[0]}")
+    rows, keys, warps = dq_tile
+    if g > min(dq_tile[0], dkdv_tile[0]):
+        raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {dkdv_tile[0]}")
     _bwd_dq_kernel[(triton.cdiv(max_len, rows // g), s, hkv)](
-        q, k, v, o, do, lse, delta, dq, cu, q.stride(0), k.stride(0), scale,
-        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=_BWD_STAGES, **EXACT)
-    rows, keys, warps = _BWD_DKDV
+        q, k, v, o, do, lse, delta, dq, cu, q.stride(0), k.stride(0), scale, scale * _LOG2E,
+        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=stages, **EXACT)
+    rows, keys, warps = dkdv_tile
     _bwd_dkdv_kernel[(triton.cdiv(max_len, keys), s, hkv)](
-        q, k, v, do, lse, delta, dk, dv, cu, q.stride(0), k.stride(0), scale,
-        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=_BWD_STAGES, **EXACT)
+        q, k, v, do, lse, delta, dk, dv, cu, q.stride(0), k.stride(0), scale, scale * _LOG2E,
+        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=stages, **EXACT)
     return dq, dk, dv
 
 

@@ -11,24 +11,17 @@ decode steps route and compute alike. The tile table is built on the device: no 
 Slots whose expert is not local get zero tiles (the down kernel stores zeros there), so
 the contribution buffer is never zero-filled separately.
 
-The model keeps per-expert parameters; the grouped kernels want them stacked. Under
-inference mode (the rollout engine) the stacked copies are cached, keyed on the tensors'
-identity (weak references) and version counters, so an in-place weight load restacks.
-Elsewhere (training) they are stacked per call: FSDP2 refills its unsharded parameters in
-place without bumping their versions (tests/test_weight_cache.py), so a cached stack
-would go stale after an optimizer step. Under autograd the stack is one Function whose
-backward hands each expert its slice.
+The model keeps its experts stacked (consistent_ops.ExpertStack: transformers 5's
+gate_up_proj / down_proj) and the kernels read the stacks as they are, gate and up as
+strided views of gate_up: no restacking per forward, and under autograd the backward's
+grouped GEMMs hand the two stacks their gradients directly. A plain mapping of per-expert
+tensors (the Megatron spec, the probe) is stacked per call with torch.stack (differentiable).
 """
-import operator
-import weakref
-
 import torch
 import triton
 import triton.language as tl
 
 from ..experts import ExpertStack
-from ..reference import moe as ref_moe
-from ..reference.pointwise import silu_mul as _silu_mul_torch
 from .autograd import with_torch_grad
 from .common import ASCEND as _ASCEND, EXACT, INTERPRET as _INTERPRET, exp32
 from .gemm import linear
@@ -81,9 +74,9 @@ def _tile(TileE, TileRow0, TileRowEnd, Order, BM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK, NL,
+def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, GU, K, TOPK, NL,
                     stride_x, stride_we, stride_wn, stride_h,
-                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr):
     e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM)
     if (e < 0) | (e >= NL):                     # idle tile (the grid is an upper bound) or zero tile
         return
@@ -99,8 +92,14 @@ def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, K, TOPK
         acc_g = tl.dot(a, tl.load(wg + n[None, :] * stride_wn + (k0 + kk)[:, None]), acc_g)
         acc_u = tl.dot(a, tl.load(wu + n[None, :] * stride_wn + (k0 + kk)[:, None]), acc_u)
     # gate and up are linear outputs (rounded to dtype); silu_mul: g/(1+exp(-g)) * up in fp32
-    g = acc_g.to(Hout.dtype.element_ty).to(tl.float32)
-    u = acc_u.to(Hout.dtype.element_ty).to(tl.float32)
+    g = acc_g.to(Hout.dtype.element_ty)
+    u = acc_u.to(Hout.dtype.element_ty)
+    if SAVE_GU:  # training: gate and up as rounded, [rows, 2I] (the backward's input)
+        gu = GU + rows[:, None] * (2 * stride_h) + n[None, :]
+        tl.store(gu, g, mask=live[:, None])
+        tl.store(gu + stride_h, u, mask=live[:, None])
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
     act = tl.div_rn(g, 1.0 + exp32(-g))
     tl.store(Hout + rows[:, None] * stride_h + n[None, :], (act * u).to(Hout.dtype.element_ty),
              mask=live[:, None])
@@ -307,9 +306,11 @@ def _plan(ids, local, n_local, bm):
     return plan, key, n_tiles
 
 
-def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
+def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=False):
+    """contrib [T, k, H], owned [T, k] (and with save_gu the rounded gate/up outputs
+    [T*k, 2I] in the plan's row order, for the backward)."""
     t, k = ids.shape
-    n_local, inter, hidden = wg.shape[0], wg.shape[1], wg.shape[2]
+    n_local, hidden, inter = wd.shape
     bm, gate_up, down = cfg or _moe_config(t * k)
 
     def fits(gu, dn):
@@ -320,112 +321,182 @@ def _grouped_kernel(x, weights, wg, wu, wd, *, ids, local, cfg=None):
         if not fits(gate_up, down):
             raise NotImplementedError(f"expert shapes H={hidden}, I={inter}: need multiples of 128")
     if not t:
-        return (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
-                torch.zeros((0, k), dtype=torch.bool, device=x.device))
+        out = (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
+               torch.zeros((0, k), dtype=torch.bool, device=x.device))
+        return (*out, x.new_empty(0, 2 * inter)) if save_gu else out
     plan, key, n_tiles = _plan(ids, local, n_local, bm)
     x = x.contiguous()
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
     contrib = torch.empty((t * k, hidden), dtype=torch.float32, device=x.device)   # every slot stored
     tiles = (plan["tile_e"], plan["row0"], plan["row_end"])
-    wg, wu, wd = wg.contiguous(), wu.contiguous(), wd.contiguous()
+    w_gate_up = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
+    wd = wd if wd.stride(-1) == 1 else wd.contiguous()
+    wg, wu = w_gate_up[:, :inter], w_gate_up[:, inter:]     # views: the kernel reads the stack in place
+    gu = torch.empty((t * k, 2 * inter), dtype=x.dtype, device=x.device) if save_gu else h
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
-        x, plan["order"], *tiles, wg, wu, h, hidden, k, n_local,
-        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, **EXACT)
+        x, plan["order"], *tiles, wg, wu, h, gu, hidden, k, n_local,
+        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, SAVE_GU=save_gu, **EXACT)
     _down_kernel[(n_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter, n_local,
         h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, **EXACT)
-    return contrib.view(t, k, hidden), (key < n_local).view(t, k)
+    out = contrib.view(t, k, hidden), (key < n_local).view(t, k)
+    return (*out, gu) if save_gu else out
 
 
-def _grouped_formula(x, weights, wg, wu, wd, *, ids, local):
-    """Differentiable equivalent for the backward: torch._grouped_mm over the same groups."""
+def _groups(ids, local, n_local, every):
+    """(token, slot) rows of the local experts grouped by expert (the forward plan's order)
+    and the groups' end offsets. every: each slot has a local expert, so all t*k rows are
+    taken without a count from the device (otherwise that count is one host sync)."""
     t, k = ids.shape
-    plan, key, _ = _plan(ids, local, wg.shape[0], _moe_config(t * k)[0])
-    counts = torch.bincount(key, minlength=wg.shape[0] + 1)[:wg.shape[0]]     # backward: a sync is fine
-    sel = plan["order"].long()[: int(counts.sum())]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    plan, key, _ = _plan(ids, local, n_local, _moe_config(t * k)[0])
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key))[:n_local]                  # bincount without its size sync
+    sel = plan["order"].long()
+    if not every:
+        sel = sel[: int(counts.sum())]
+    return sel, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def _weight_grad(dy, xs, offs):
+    """Per-group dy^T @ xs -> [L, N, K]. The grouped GEMM needs the row count in 16-byte
+    strides: rows are padded with zeros (into the last group, adding nothing) when short."""
+    pad = -dy.shape[0] % 8
+    if pad:
+        dy, xs = (torch.cat([m, m.new_zeros(pad, m.shape[1])]) for m in (dy, xs))
+        offs = torch.cat([offs[:-1], offs[-1:] + pad])
+    return torch._grouped_mm(dy.t(), xs, offs)
+
+
+@triton.jit
+def _act_bwd_kernel(GU, DHW, WR, Hout, DGU, DW, I, BLOCK: tl.constexpr):
+    """One (token, slot) row of the experts' activation backward, in fp32: h = silu(g) * u
+    (the forward's, rounded), dw = <dC @ Wd, h>, dh = (dC @ Wd) * w, dg = dh * u * silu'(g),
+    du = dh * silu(g). Rows are contiguous: gu [R, 2I], dC @ Wd [R, I]."""
+    row = tl.program_id(0).to(tl.int64)
+    w = tl.load(WR + row)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for c0 in range(0, I, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        live = c < I
+        g = tl.load(GU + row * 2 * I + c, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * 2 * I + I + c, mask=live, other=0.0).to(tl.float32)
+        dhw = tl.load(DHW + row * I + c, mask=live, other=0.0).to(tl.float32)
+        e1 = 1.0 + exp32(-g)
+        silu = tl.div_rn(g, e1)
+        sig = tl.div_rn(1.0, e1)
+        h = (silu * u).to(Hout.dtype.element_ty)
+        tl.store(Hout + row * I + c, h, mask=live)
+        acc += dhw * h.to(tl.float32)
+        dh = dhw * w
+        tl.store(DGU + row * 2 * I + c, (dh * u * sig * (1.0 + g * (1.0 - sig))).to(DGU.dtype.element_ty),
+                 mask=live)
+        tl.store(DGU + row * 2 * I + I + c, (dh * silu).to(DGU.dtype.element_ty), mask=live)
+    tl.store(DW + row, tl.sum(acc, 0))
+
+
+def _act_backward(gu, dhw, wr):
+    """(h, d_gu, dw) of _act_bwd_kernel for R rows."""
+    rows, inter = dhw.shape
+    h, d_gu = gu.new_empty(rows, inter), torch.empty_like(gu)
+    dw = torch.empty(rows, dtype=torch.float32, device=gu.device)
+    if rows:
+        _act_bwd_kernel[(rows,)](gu, dhw, wr, h, d_gu, dw, inter, BLOCK=min(triton.next_power_of_2(inter), 1024),
+                                 num_warps=4, **EXACT)
+    return h, d_gu, dw
+
+
+@triton.jit
+def _slot_grad_kernel(D, Sel, WR, DC, DCW, H, TOPK, stride_t, stride_k, BLOCK: tl.constexpr):
+    """Row r of the plan order: dC_r = d_contrib[token, slot] (any strides: the combine's
+    expanded view included) and w_r * dC_r, both rounded to the activation dtype."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = c < H
+    sel = tl.load(Sel + r)
+    v = tl.load(D + (sel // TOPK) * stride_t + (sel % TOPK) * stride_k + c, mask=live, other=0.0)
+    tl.store(DC + r * H + c, v.to(DC.dtype.element_ty), mask=live)
+    tl.store(DCW + r * H + c, (v * tl.load(WR + r)).to(DCW.dtype.element_ty), mask=live)
+
+
+def _slot_grads(d_contrib, sel, wr, dtype):
+    t, k, hidden = d_contrib.shape
+    if d_contrib.stride(-1) != 1:
+        d_contrib = d_contrib.contiguous()
+    dc = torch.empty((sel.shape[0], hidden), dtype=dtype, device=d_contrib.device)
+    dcw = torch.empty_like(dc)
+    if sel.shape[0]:
+        _slot_grad_kernel[(sel.shape[0], triton.cdiv(hidden, 1024))](
+            d_contrib, sel, wr, dc, dcw, hidden, k, d_contrib.stride(0), d_contrib.stride(1), BLOCK=1024,
+            num_warps=4, **EXACT)
+    return dc, dcw
+
+
+def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, gu, d_contrib):
+    """Gradients of contrib[r] = w_r * down(silu_mul(gate(x), up(x))) for the rows r of the
+    local experts, with torch._grouped_mm over the forward's groups, from the forward's
+    saved gate/up outputs gu (plan order); nothing is recomputed but h (dw_r = <dC_r, y_r> =
+    <dC_r @ Wd, h_r>), the activation's backward one kernel. Each token's gradient sums its
+    slots in slot order: no atomics, deterministic."""
+    t, k = ids.shape
+    sel, offs = _groups(ids, local, wd.shape[0], every)
     xs = x[sel // k]
-    g = torch._grouped_mm(xs, wg.transpose(1, 2), offs)
-    u = torch._grouped_mm(xs, wu.transpose(1, 2), offs)
-    y = torch._grouped_mm(_silu_mul_torch(g, u), wd.transpose(1, 2), offs).float()
-    y = y * weights.reshape(-1)[sel, None]
-    contrib = torch.zeros((t * k, wd.shape[1]), dtype=torch.float32, device=x.device).index_put((sel,), y)
-    return contrib.view(t, k, -1), (key < wg.shape[0]).view(t, k)
+    gu = gu[:sel.shape[0]]                                      # the local rows lead the plan order
+    wr = weights.reshape(-1)[sel].float().contiguous()
+    dc, dcw = _slot_grads(d_contrib, sel, wr, x.dtype)
+    dhw = torch._grouped_mm(dc, wd, offs)                       # dC @ Wd: [R, I]
+    h, d_gu, dw = _act_backward(gu, dhw, wr)
+    d_weights = torch.zeros(t * k, dtype=torch.float32, device=x.device).index_put((sel,), dw)
+    d_wd = _weight_grad(dcw, h, offs)
+    d_wgu = _weight_grad(d_gu, xs, offs)
+    d_rows = torch._grouped_mm(d_gu, w_gate_up, offs)           # [R, H], plan order
+    if every:     # every (token, slot) is a row: back to slot order by a gather
+        d_slots = d_rows[torch.empty_like(sel).scatter_(0, sel, torch.arange(sel.shape[0], device=sel.device))]
+    else:
+        d_slots = d_rows.new_zeros(t * k, d_rows.shape[1]).index_put((sel,), d_rows)
+    d_x = d_slots.view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    return d_x, d_weights.view(weights.shape).to(weights.dtype), d_wgu, d_wd
 
 
-def grouped_expert_contributions(x, ids, weights, wg, wu, wd, local_ids):
-    """Stacked-weight form: wg, wu [L, I, H], wd [L, H, I] for the experts local_ids (L ints)."""
-    return with_torch_grad(_grouped_kernel, _grouped_formula, (x, weights, wg, wu, wd),
-                           ids=ids, local=[int(e) for e in local_ids])
-
-
-class _Stack(torch.autograd.Function):
-    """(wg, wu, wd) stacked from 3*L per-expert tensors; backward: each its slice."""
+class _GroupedExperts(torch.autograd.Function):
+    """Forward: the grouped kernels (the contract's bits). Backward: _grouped_backward."""
 
     @staticmethod
-    def forward(ctx, n, *flat):
-        return tuple(s.detach() for s in _stacked(flat, n))   # aliases of the cached stacks
+    def forward(ctx, x, weights, w_gate_up, wd, ids, local, every):
+        contrib, owned, gu = _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local, save_gu=True)
+        ctx.save_for_backward(x, weights, w_gate_up, wd, ids, gu)
+        ctx.local, ctx.every = local, every
+        ctx.mark_non_differentiable(owned)
+        return contrib, owned
 
     @staticmethod
-    def backward(ctx, *grads):
-        need = ctx.needs_input_grad[1:]
-        n = len(need) // 3
-        out = [None]
-        for g in grads:
-            out += g.unbind(0) if g is not None else [None] * n
-        if not all(need):
-            out = [gi if nd else None for gi, nd in zip(out, (False,) + tuple(need))]
-        return tuple(out)
+    def backward(ctx, d_contrib, _):
+        x, weights, w_gate_up, wd, ids, gu = ctx.saved_tensors
+        grads = _grouped_backward(x, weights, w_gate_up, wd, ids, ctx.local, ctx.every, gu, d_contrib)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
 
 
-_STACKS = {}                  # (id of first tensor, L) -> (weakrefs, versions, stacks, nbytes)
-_STACK_CACHE_BYTES = 16 << 30  # at most this much is cached (then: stacked per call, as before)
-_VERSION = operator.attrgetter("_version")
-_DEREF = weakref.ref.__call__
-
-
-def _stack3(flat, n):
-    with torch.no_grad():
-        return tuple(torch.stack(flat[i * n:(i + 1) * n]) for i in range(3))
-
-
-def _stacked(flat, n):
-    """torch.stack of flat[0:n], flat[n:2n], flat[2n:3n]; under inference mode cached while
-    every tensor is the same object at the same version (weak references: a freed tensor's
-    id cannot alias). The checks are C-level maps: a few tens of microseconds for 384 tensors."""
-    if not torch.is_inference_mode_enabled() or flat[0].is_inference():   # see the module doc
-        return _stack3(flat, n)
-    key = (id(flat[0]), n)
-    hit = _STACKS.get(key)
-    if hit is not None:
-        refs, versions, stacks, _ = hit
-        if all(map(operator.is_, map(_DEREF, refs), flat)) and versions == list(map(_VERSION, flat)):
-            return stacks
-        del _STACKS[key]
-    stacks = _stack3(flat, n)
-    nbytes = sum(s.numel() * s.element_size() for s in stacks)
-    for k in [k for k, v in _STACKS.items() if any(r() is None for r in v[0])]:
-        del _STACKS[k]                              # entries of freed tensors
-    if sum(v[3] for v in _STACKS.values()) + nbytes <= _STACK_CACHE_BYTES:
-        _STACKS[key] = (list(map(weakref.ref, flat)), list(map(_VERSION, flat)), stacks, nbytes)
-    return stacks
+def grouped_expert_contributions(x, ids, weights, w_gate_up, wd, local_ids, every=False):
+    """Stacked-weight form: w_gate_up [L, 2I, H] (gate rows, then up rows), wd [L, H, I] for
+    the experts local_ids (L ints), read in place; every: ids name local experts only (the
+    backward then needs no host sync)."""
+    local = [int(e) for e in local_ids]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate_up, wd)):
+        return _GroupedExperts.apply(x, weights, w_gate_up, wd, ids, local, every)
+    return _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local)
 
 
 def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     """contrib [T, k, H] fp32 (zeros for slots whose expert is not local) and owned [T, k].
-    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]). An ExpertStack is read as it
-    is (the rollout); other experts are stacked for the grouped kernels (cached while the
-    tensors are unchanged, see the module doc)."""
+    experts[e] = (w_gate [I, H], w_up [I, H], w_down [H, I]); local_experts None: every
+    expert is local. An ExpertStack is read as it is (see the module doc); other experts
+    are stacked per call."""
     local = list(range(len(experts))) if local_experts is None else sorted(int(e) for e in local_experts)
-    if isinstance(experts, ExpertStack) and experts.local == local:   # the stacks as they are
-        return grouped_expert_contributions(x, ids, weights, experts.gate, experts.up, experts.down, local)
+    every = local_experts is None
+    if isinstance(experts, ExpertStack) and experts.local == local:
+        return grouped_expert_contributions(x, ids, weights, experts.gate_up, experts.down, local, every)
     g, u, d = zip(*map(experts.__getitem__, local))
-    flat = g + u + d
-    if torch.is_grad_enabled() and any(map(operator.attrgetter("requires_grad"), flat)):
-        wg, wu, wd = _Stack.apply(len(local), *flat)
-    else:
-        wg, wu, wd = _stacked(flat, len(local))
-    return grouped_expert_contributions(x, ids, weights, wg, wu, wd, local)
+    return grouped_expert_contributions(x, ids, weights, torch.cat([torch.stack(g), torch.stack(u)], 1),
+                                        torch.stack(d), local, every)
 
 
 @triton.jit
@@ -450,7 +521,23 @@ def _combine(contrib, out_dtype):
     return out
 
 
+class _Combine(torch.autograd.Function):
+    """The gradient of a sum over slots is the output's gradient broadcast to every slot: an
+    expanded view (no [T, k, H] buffer is written; the experts' backward gathers its rows)."""
+
+    @staticmethod
+    def forward(ctx, contrib, out_dtype):
+        ctx.shape, ctx.dtype = contrib.shape, contrib.dtype
+        return _combine(contrib, out_dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return d_out.to(ctx.dtype).unsqueeze(1).expand(ctx.shape), None
+
+
 def moe_combine(contrib, out_dtype):
-    """Slot order 0..k-1, fp32 elementwise adds, one rounding (one kernel; the reference's
-    torch adds, which give the same bits, supply the gradient)."""
-    return with_torch_grad(_combine, ref_moe.moe_combine, (contrib,), out_dtype=out_dtype)
+    """Slot order 0..k-1, fp32 elementwise adds, one rounding (one kernel, the bits of the
+    reference's torch adds)."""
+    if torch.is_grad_enabled() and contrib.requires_grad:
+        return _Combine.apply(contrib, out_dtype)
+    return _combine(contrib, out_dtype)

@@ -3,14 +3,13 @@
 y1 = x1*cos - x2*sin, y2 = x2*cos + x1*sin in fp32, each product and sum rounded on its own
 (no FMA: EXACT), then rounded to x's dtype: the same operations, in the same order, as the
 reference's torch ops, so the bits are theirs. cos/sin [T, D/2] fp32 come from rope_cos_sin
-(per position). Gradients: autograd of the reference formula (training only).
+(per position). Gradients: the same kernel rotating back (training only).
 """
 import torch
 import triton
 import triton.language as tl
 
 from ..reference.pointwise import apply_rope as _apply_rope_torch
-from .autograd import with_torch_grad
 from .common import EXACT
 
 
@@ -43,6 +42,23 @@ def _rope(x, cos, sin):
     return y
 
 
+class _Rope(torch.autograd.Function):
+    """The rotation's transpose is the rotation by -angle: dx = the same kernel on dy with
+    -sin (dx1 = dy1*cos + dy2*sin, dx2 = dy2*cos - dy1*sin), fp32, rounded to x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rope(dy.contiguous(), cos, -sin), None, None
+
+
 def apply_rope(x, cos, sin):
     """Neox rotate-half on x [T, H, D] in fp32, rounded to x's dtype."""
-    return with_torch_grad(_rope, _apply_rope_torch, (x, cos, sin))
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Rope.apply(x, cos, sin)
+    return _rope(x, cos, sin)

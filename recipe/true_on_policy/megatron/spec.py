@@ -70,6 +70,12 @@ class ConsistentOutputLayer(ConsistentColumnParallelLinear):
     """The LM head: fp32 logits, vocab-parallel (shards concatenate exactly)."""
     out_dtype = torch.float32
 
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        out, bias = super().forward(input_, weight, runtime_gather_output)
+        # verl divides a transposed view of the logits by T in place, which autograd forbids
+        # on a view of a custom Function's output (the contract's matmul): a copy when training.
+        return (out.clone() if out.requires_grad else out), bias
+
 
 class _GatherOrderedSum(torch.autograd.Function):
     """Row-parallel reduction of the contract; the sum is replicated on every rank, so each

@@ -3,7 +3,8 @@ the engine registry (a subclass of ``MegatronEngineWithLMHead`` that points the 
 provider at our layer spec and gives GPTModel our LM head) and the log-prob function the
 engine calls by name (``vocab_parallel_log_probs_from_logits`` -> the contract's log-probs
 over the whole vocabulary). Weight export is the engine's own (``bridge.export_hf_weights``:
-our modules keep Megatron's parameter layout and names)."""
+our modules keep Megatron's parameter layout and names). verl's MindSpeed engine (Ascend), a
+subclass of the same engine, gets the same spec (``install_mindspeed``)."""
 import logging
 
 from megatron.core import parallel_state as mpu
@@ -17,9 +18,13 @@ from . import env, spec
 log = logging.getLogger("true_on_policy.verl")
 _vocab_limit = None
 _reported = False
+TrueOnPolicyMindspeedEngine = None      # made by install_mindspeed once verl defines its MindSpeed engine
 
 
-class TrueOnPolicyMegatronEngine(transformer_impl.MegatronEngineWithLMHead):
+class _ContractSpec:
+    """Mixed in before one of verl's Megatron-family engines (Megatron, MindSpeed): the
+    Bridge provider builds our layer spec and LM head."""
+
     def _build_tf_config(self):
         global _vocab_limit
         # read by the provider's finalize, inside super()
@@ -34,6 +39,12 @@ class TrueOnPolicyMegatronEngine(transformer_impl.MegatronEngineWithLMHead):
         self.provider.register_pre_wrap_hook(lambda chunks: [spec.adopt_output_layer(m) for m in chunks])
         env.cpu_provider(self.provider)
         _vocab_limit = hf_model._tokenizer_length(self.model_config.local_path)
+
+
+class TrueOnPolicyMegatronEngine(_ContractSpec, transformer_impl.MegatronEngineWithLMHead):
+    @env.on_cpu
+    def initialize(self):           # builds the optimizer
+        return super().initialize()
 
     @env.on_cpu
     def forward_backward_batch(self, *args, **kwargs):
@@ -54,14 +65,30 @@ def contract_vocab_parallel_log_probs(logits, labels):
     return spec.token_logprobs(logits, labels, 1.0, _vocab_limit, mpu.get_tensor_model_parallel_group())
 
 
+def _register(engine, device, vendor=None):
+    registry = EngineRegistry._engines["language_model"]["megatron"]
+    if registry.get((device, vendor) if vendor else device) is not engine:
+        EngineRegistry.register("language_model", "megatron", device, vendor)(engine)
+
+
 def install(_module=None):
     """Register the engine and the log-prob function; idempotent. The registry looks a
     (device, vendor) key up before the device's default, so ("cuda", "nvidia") shadows the
     stock engine on NVIDIA; "cpu" has none."""
     env.apply_cpu_workarounds()
-    registry = EngineRegistry._engines["language_model"]["megatron"]
-    for device, vendor in (("cuda", "nvidia"), ("cpu", None)):
-        if registry.get((device, vendor) if vendor else device) is not TrueOnPolicyMegatronEngine:
-            EngineRegistry.register("language_model", "megatron", device, vendor)(TrueOnPolicyMegatronEngine)
+    _register(TrueOnPolicyMegatronEngine, "cuda", "nvidia")
+    _register(TrueOnPolicyMegatronEngine, "cpu")
     transformer_impl.vocab_parallel_log_probs_from_logits = contract_vocab_parallel_log_probs
     log.info("true_on_policy: verl Megatron engine -> true_on_policy.megatron spec + contract log-probs")
+
+
+def install_mindspeed(module):
+    """verl's MindSpeed engine (Ascend: ``MindspeedEngineWithLMHead``, a
+    ``MegatronEngineWithLMHead`` run with MindSpeed's patches) with the same spec; its
+    log-probs are the same function of Megatron's module. ("npu", "huawei") shadows verl's "npu"."""
+    install()
+    global TrueOnPolicyMindspeedEngine
+    if TrueOnPolicyMindspeedEngine is None:
+        class TrueOnPolicyMindspeedEngine(_ContractSpec, module.MindspeedEngineWithLMHead):
+            pass
+    _register(TrueOnPolicyMindspeedEngine, "npu", "huawei")

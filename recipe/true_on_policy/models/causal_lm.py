@@ -15,10 +15,13 @@ import consistent_ops as co
 
 from .config import ModelConfig
 from .layers import TensorParallel
-from .qwen3 import LMHead, Qwen3Model
+from .qwen3 import Experts, LMHead, Qwen3Model
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.")
+# One expert's tensor as HF checkpoints store it (and verl's weight sync sends it); the model
+# holds the layer's experts stacked (qwen3.Experts), under the names ``<prefix>.gate_up_proj``
+# and ``<prefix>.down_proj``, which load too (the trainer's own state_dict).
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 def build_causal_lm(module: nn.Module, cfg: ModelConfig, tp: TensorParallel):
@@ -39,15 +42,23 @@ class CausalLMMixin:
         return self.lm_head(hidden)
 
     def load_weights(self, weights):
-        """weights: iterable of (HF name, FULL tensor). Returns the parameter names set."""
+        """weights: iterable of (HF name, FULL tensor); experts one by one (checkpoint names)
+        or stacked (parameter names). Returns the names of the parameters set (an experts
+        stack once every local expert's part has arrived, in this call or an earlier one)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
         for name, tensor in weights:
+            expert = _PER_EXPERT.fullmatch(name)
+            if expert and f"{expert[1]}.down_proj" in params:
+                with torch.no_grad():
+                    done = self.get_submodule(expert[1]).load_expert(int(expert[2]), expert[3], tensor)
+                loaded.update(f"{expert[1]}.{p}" for p in done)
+                continue
             targets = [name] + ([LM_HEAD] if name == EMBED and self.cfg.tie_word_embeddings else [])
             for target in targets:
                 if target not in params:
-                    if _EXPERT.match(target) or target == LM_HEAD:
-                        continue  # an expert owned by another rank; a tied head's copy
+                    if target == LM_HEAD:
+                        continue  # a tied head's copy
                     raise KeyError(f"weight {target!r} matches no parameter of {type(self).__name__} "
                                    f"(expected HF names such as {next(iter(params))!r})")
                 module = self.get_submodule(target.rsplit(".", 1)[0])
@@ -78,12 +89,21 @@ class CausalLM(CausalLMMixin, nn.Module):
         super().__init__()
         build_causal_lm(self, cfg, tp)
 
-    def stack_experts(self):
-        """Rollout layout: each MoE layer's experts in stacked tensors (qwen3.SparseMoeBlock)."""
-        for layer in self.model.layers:
-            if hasattr(layer.mlp, "stack_experts"):
-                layer.mlp.stack_experts()
-        return self
+
+def sync_names(model):
+    """What a weight sync must set on this rank: every parameter name, but the experts one
+    by one under their checkpoint names (verl's FSDP sync unfuses stacks into those); and,
+    for each experts stack, the checkpoint names it sets when it arrives whole."""
+    held, stacks = set(), {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        prefix, _, leaf = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        if isinstance(module, Experts):
+            stacks[name] = module.checkpoint_names(prefix, leaf)
+            held.update(stacks[name])
+        else:
+            held.add(name)
+    return held, stacks
 
 
 def packed_layout(position_ids):
@@ -147,7 +167,8 @@ class ConsistentForCausalLM(TrainerMixin, CausalLM):
 
 
 def _positions_from_cu(cu_seqlens, total, device):
+    idx = torch.arange(total, device=device)
     if cu_seqlens is None:
-        return torch.arange(total, device=device)
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    return torch.cat([torch.arange(n, device=device) for n in lens])
+        return idx
+    cu = cu_seqlens.to(device)     # each token's offset from its sequence's start: no host sync
+    return idx - cu[torch.searchsorted(cu[1:], idx, right=True)]

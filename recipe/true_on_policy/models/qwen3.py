@@ -14,7 +14,7 @@ from consistent_ops import parallel
 
 from .config import ModelConfig
 from .layers import (ColumnParallelLinear, Embedding, ReplicatedLinear, RMSNorm, RowParallelLinear,
-                     TensorParallel, _check_divisible)
+                     TensorParallel, _check_divisible, _write)
 
 
 class RotaryTable:
@@ -67,17 +67,48 @@ class MLP(nn.Module):
         return self.down_proj(co.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-class Expert(nn.Module):
-    """One expert, whole on the rank that owns it (experts are placed, not split)."""
+class Experts(nn.Module):
+    """This rank's experts (whole: experts are placed, not split), stacked as transformers 5
+    keeps them: ``gate_up_proj`` [L, 2I, H] (each expert's gate rows, then its up rows) and
+    ``down_proj`` [L, H, I], for the contiguous expert ids ``local``. The grouped kernels
+    read the stacks in place, forward and backward (consistent_ops.ExpertStack)."""
 
-    def __init__(self, hidden, inter, dtype):
+    _HALF = {"gate": 0, "up": 1}                                   # rows of gate_up_proj
+    _PARTS = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+
+    def __init__(self, local, hidden, inter, dtype):
         super().__init__()
-        self.gate_proj = ReplicatedLinear(hidden, inter, dtype=dtype)
-        self.up_proj = ReplicatedLinear(hidden, inter, dtype=dtype)
-        self.down_proj = ReplicatedLinear(inter, hidden, dtype=dtype)
+        self.local = list(local)
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.local), 2 * inter, hidden, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(len(self.local), hidden, inter, dtype=dtype))
+        self._parts = set()     # (expert, part) loaded one by one (load_expert)
 
-    def weights(self, dtype):
-        return tuple(m.weight.to(dtype) for m in (self.gate_proj, self.up_proj, self.down_proj))
+    def stack(self, dtype):
+        return co.ExpertStack(self.gate_up_proj.to(dtype), self.down_proj.to(dtype), self.local)
+
+    def weight_loader(self, param, full):
+        """A stacked tensor of ALL experts [E, ...] (the trainer's state_dict): this rank's rows."""
+        _write(param, full[self.local[0]:self.local[-1] + 1])
+
+    def load_expert(self, expert, part, tensor):
+        """One expert's ``{gate,up,down}_proj.weight`` (HF checkpoint names): written into its
+        row of the stack (bumping the stack's version), nothing if another rank owns it.
+        Returns the names of the stacks that now hold every local expert's part."""
+        if expert not in self.local:
+            return []
+        i, inter = expert - self.local[0], self.down_proj.shape[-1]
+        if part == "down":
+            _write(self.down_proj[i], tensor)
+        else:
+            h = self._HALF[part]
+            _write(self.gate_up_proj[i, h * inter:(h + 1) * inter], tensor)
+        self._parts.add((expert, part))
+        return [name for name, parts in self._PARTS.items()
+                if all((e, p) in self._parts for e in self.local for p in parts)]
+
+    def checkpoint_names(self, prefix, stack):
+        """The HF checkpoint names of the local experts' parts held in ``stack`` (a parameter name)."""
+        return [f"{prefix}.{e}.{p}_proj.weight" for e in self.local for p in self._PARTS[stack]]
 
 
 class SparseMoeBlock(nn.Module):
@@ -91,42 +122,14 @@ class SparseMoeBlock(nn.Module):
         per_rank = cfg.num_experts // tp.size
         local = range(tp.rank * per_rank, (tp.rank + 1) * per_rank) if tp.sharded else range(cfg.num_experts)
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, dtype=cfg.dtype)
-        self.experts = nn.ModuleDict({str(e): Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.dtype)
-                                      for e in local})
+        self.experts = Experts(local, cfg.hidden_size, cfg.moe_intermediate_size, cfg.dtype)
         self.top_k, self.norm_topk_prob, self.tp = cfg.top_k, cfg.norm_topk_prob, tp
-        self._stack = None
-
-    _PROJ = ("gate_proj", "up_proj", "down_proj")
-
-    def stack_experts(self):
-        """Keep the experts' weights in three stacked tensors, each expert's parameters
-        becoming views of them (names, loading and bits unchanged): the rollout's grouped
-        kernels then read the stacks in place (consistent_ops.ExpertStack)."""
-        mods = [self.experts[str(e)] for e in sorted(map(int, self.experts))]
-        stacks = []
-        for proj in self._PROJ:
-            stack = torch.stack([getattr(m, proj).weight.detach() for m in mods])
-            for m, view in zip(mods, stack):
-                getattr(m, proj).weight = nn.Parameter(view, requires_grad=getattr(m, proj).weight.requires_grad)
-            stacks.append(stack)
-        self._stack = co.ExpertStack(*stacks, sorted(map(int, self.experts)))
-
-    def _experts(self, dtype):
-        """The stacks while the parameters are still their views (FSDP or ``.to()`` would
-        replace them) and no gradient is wanted (a stack carries none), else each expert's
-        weights."""
-        first = self.experts[str(self._stack.local[0])] if self._stack is not None else None
-        if (first is not None and self._stack.gate.dtype == dtype
-                and not (torch.is_grad_enabled() and first.gate_proj.weight.requires_grad)
-                and all(getattr(first, p).weight.data_ptr() == s.data_ptr()
-                        for p, s in zip(self._PROJ, (self._stack.gate, self._stack.up, self._stack.down)))):
-            return self._stack
-        return {int(e): m.weights(dtype) for e, m in self.experts.items()}
 
     def forward(self, x):
         ids, w = co.moe_route(x, self.gate.weight.to(x.dtype), self.top_k, self.norm_topk_prob)
-        experts = self._experts(x.dtype)
-        contrib, owned = co.moe_expert_contributions(x, ids, w, experts, sorted(experts))
+        # local None: every expert is here (the backward then needs no host sync)
+        local = self.experts.local if self.tp.sharded else None
+        contrib, owned = co.moe_expert_contributions(x, ids, w, self.experts.stack(x.dtype), local)
         if self.tp.sharded:
             contrib = parallel.gather_owned(contrib, owned, self.tp.group)
         return co.moe_combine(contrib, x.dtype)

@@ -234,7 +234,12 @@ def _select(config, key, default=None):
 def cpu_settings(config) -> dict:
     """Dotted config key -> value for a CPU run of this config (one Ray slot per rank)."""
     n_ranks = int(_select(config, "trainer.n_gpus_per_node", 1)) * int(_select(config, "trainer.nnodes", 1))
-    return settings_for(n_ranks)
+    settings = settings_for(n_ranks)
+    if _select(config, "actor_rollout_ref.actor.strategy", None) == "megatron":
+        # verl's Megatron engine runs on the CPU as it is (gloo; true_on_policy.megatron.env):
+        # the FSDP keys stay out of its config.
+        settings = {k: v for k, v in settings.items() if "strategy" not in k and "fsdp_config" not in k}
+    return settings
 
 
 def settings_for(n_ranks: int) -> dict:

@@ -97,10 +97,6 @@ def _megatron_rules(cfg):
     whole, no pipeline or context parallel yet."""
     import importlib.util
     mg = "actor_rollout_ref.actor.megatron."
-    # The spec's log-probs and weight export are exact (tests/test_megatron.py); a training loop
-    # with it has not run end to end yet (README: Megatron), so it stays refused for now.
-    yield ("actor.strategy=megatron: the Megatron actor's training loop is not proven end to end yet "
-           "(its forward log-probs are exact, README: Megatron); use actor.strategy=fsdp2")
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.bridge") is None:
         yield ("actor.strategy=megatron needs megatron-core + megatron-bridge: run scripts/setup_megatron.sh "
                "and launch with .venv-megatron/bin/python")
@@ -126,6 +122,8 @@ def _model_rules(cfg):
         return
     tp = int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1) or 1)
     yield from scheme.tp_problems(model, tp)
+    if _get(cfg, "actor_rollout_ref.actor.strategy") == "megatron":
+        yield from _megatron_layout_rules(cfg, model)
     tokenizer = _get(cfg, "actor_rollout_ref.model.tokenizer_path") or path
     try:
         from transformers import AutoTokenizer
@@ -136,6 +134,18 @@ def _model_rules(cfg):
         scheme.vocab_limit(n, model.vocab_size)
     except ValueError as err:
         yield f"{err} (actor_rollout_ref.model.path={path})"
+
+
+def _megatron_layout_rules(cfg, model):
+    """The Megatron trainer's TP splits heads, KV heads and experts as the rollout's does; its
+    EP places whole experts."""
+    mg = "actor_rollout_ref.actor.megatron."
+    tp = int(_get(cfg, mg + "tensor_model_parallel_size", 1) or 1)
+    yield from (f"{p} (the trainer's {mg}tensor_model_parallel_size)" for p in scheme.tp_problems(model, tp))
+    ep = int(_get(cfg, mg + "expert_model_parallel_size", 1) or 1)
+    experts = model.num_experts or 0
+    if ep > 1 and experts % ep:
+        yield f"{mg}expert_model_parallel_size={ep} does not divide num_experts={experts}; use a divisor"
 
 
 def _backend_rules(_cfg):

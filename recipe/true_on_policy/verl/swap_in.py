@@ -13,7 +13,7 @@ process only pays for what it uses:
   trainer       FSDP engine                    the actor's / reference's model -> the
                                               shared model; their log-probs ->
                                               consistent_ops.token_logprobs
-  trainer       Megatron engine                our layer spec + LM head + log-probs
+  trainer       Megatron, MindSpeed engines    our layer spec + LM head + log-probs
                                               (true_on_policy.megatron.verl_engine)
   vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
                                               carried to the contract's log-probs; reports
@@ -112,6 +112,12 @@ def _megatron_engine(_module):
     verl_engine.install()
 
 
+def _mindspeed_engine(module):
+    from ..megatron import env, verl_engine
+    env.import_bridge()
+    verl_engine.install_mindspeed(module)
+
+
 def _rollout_server(module):
     """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature
     (0 for greedy validation); under the plugin the engine samples at 1.0 (greedy: 0) and the
@@ -172,6 +178,7 @@ def apply() -> bool:
     after_import("verl.utils.config", _driver)
     after_import("verl.workers.engine.fsdp.transformer_impl", _trainer_engine)
     after_import("verl.workers.engine.megatron.transformer_impl", _megatron_engine)
+    after_import("verl.workers.engine.mindspeed.transformer_impl", _mindspeed_engine)
     after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _rollout_server)
     after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", _weight_sync)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):

@@ -6,7 +6,7 @@
   ours overwrite them in this process whatever the entry-point order was.
 * MoE communication. vLLM-Ascend picks ALLGATHER / MC2 / ALLTOALL per step from the
   token count, i.e. batch-dependently; that choice applies to its FusedMoE layers.
-  Our model class never builds FusedMoE: its experts are plain modules placed whole
+  Our model class never builds FusedMoE: its experts are plain stacked parameters, placed whole
   on ranks and their per-(token, slot) contributions are exchanged with an all-gather
   and selected by owner (consistent_ops.parallel.gather_owned), the same for every
   batch. So the batch-independent MoE communication is forced by construction, and

@@ -11,8 +11,9 @@ trainer's. What this class adds is only what vLLM needs:
   * plain ``nn.Parameter``s and our own matmuls: no ``quant_method``, so vLLM's CPU
     repacking (which empties ``layer.weight``) never touches them, and verl's
     in-place ``load_weights`` of full HF tensors keeps working after start-up;
-  * the experts of each MoE layer in stacked tensors (the per-expert parameters are
-    views of them: same names, same loading, same bits);
+  * nothing for the experts: each MoE layer keeps them stacked (models.qwen3.Experts,
+    transformers 5's layout), as vLLM's fused MoE does, and the grouped kernels read the
+    stacks in place;
   * CUDA graphs: the forward holds no host sync (the attention backend declares which
     batches capture), so vLLM's padded capture sizes replay it.
 """
@@ -23,7 +24,7 @@ import torch
 import consistent_ops as co
 from true_on_policy import sync_check
 from true_on_policy.models import CausalLM, ModelConfig, TensorParallel
-from true_on_policy.models.causal_lm import LM_HEAD
+from true_on_policy.models.causal_lm import LM_HEAD, sync_names
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.layers.attention import Attention
@@ -52,7 +53,6 @@ class TrueOnPolicyForCausalLM(CausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         cfg, tp = model_config_from_vllm(vllm_config), tensor_parallel_from_vllm()
         super().__init__(cfg, tp)
-        self.stack_experts()   # as vLLM's fused MoE keeps them: grouped kernels read them in place
         for i, layer in enumerate(self.model.layers):
             # Name = the HF-style path, so vLLM finds exactly one layer index in it.
             layer.self_attn.attn = Attention(
@@ -70,10 +70,10 @@ class TrueOnPolicyForCausalLM(CausalLM):
             return super().load_weights(weights)
         if not hasattr(self, "_sync_receiver"):
             self._sync_receiver = sync_check.Receiver()
-        held = {n for n, _ in self.named_parameters(remove_duplicate=False)}
+        held, stacks = sync_names(self)
         if self.cfg.tie_word_embeddings:
             held.discard(LM_HEAD)       # set from the embedding's tensor
-        return super().load_weights(self._sync_receiver.filter(weights, held))
+        return super().load_weights(self._sync_receiver.filter(weights, held, lambda n: stacks.get(n, (n,))))
 
     def _attend(self, layer_idx, q, k, v):
         """[T, Hq, D], [T, Hkv, D] -> [T, Hq, D] through vLLM's Attention (cache write + paged attention)."""
