@@ -288,16 +288,6 @@ def fused_cases():
     return logits, x, cos, sin, torch.randn(40, 2, 128, generator=torch.Generator().manual_seed(72))
 
 
-def torch_route(M, logits, k):
-    probs = M._softmax_rows(logits)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
-    w = torch.gather(probs, 1, ids)
-    total = w[:, 0]
-    for j in range(1, k):
-        total = total + w[:, j]
-    return ids, w / total[:, None]
-
-
 def test_fused_router_rope_combine_equal_their_torch_forms():
     """One kernel each (rollout), the same bits as the torch ops they replace (which the
     trainer's autograd path runs): router softmax + top-k (ties to the lower id) + renorm,
@@ -305,7 +295,7 @@ def test_fused_router_rope_combine_equal_their_torch_forms():
     from consistent_ops.triton import moe as M
     logits, x, cos, sin, contrib = fused_cases()
     ids, w = M._route_fused(logits, 2, True)
-    ids_t, w_t = torch_route(M, logits, 2)
+    ids_t, w_t = M._route_from_probs(M._softmax_rows(logits), 2, True)     # the training path's ops
     assert torch.equal(ids, ids_t) and torch.equal(w, w_t)
     assert ids[3].tolist() == [0, 1] and ids[5].tolist() == [2, 6]
     assert torch.equal(T.apply_rope(x, cos, sin), R.apply_rope(x, cos, sin))

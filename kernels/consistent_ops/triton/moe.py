@@ -187,7 +187,12 @@ def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
     logits = linear(x, gate_weight, out_dtype=torch.float32).contiguous()
     if not (torch.is_grad_enabled() and logits.requires_grad):   # rollout / no-grad: one kernel
         return _route_fused(logits, top_k, norm_topk_prob)
-    probs = with_torch_grad(_softmax_rows, _softmax_formula, (logits,))
+    return _route_from_probs(with_torch_grad(_softmax_rows, _softmax_formula, (logits,)), top_k, norm_topk_prob)
+
+
+def _route_from_probs(probs, top_k, norm_topk_prob):
+    """The training path's top-k (stable sort: ties to the lower id) and renormalisation,
+    torch ops that autograd differentiates; _route_fused gives their bits in one kernel."""
     ids = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = torch.gather(probs, 1, ids)
     if norm_topk_prob:  # fp32 sum in slot order (elementwise adds: no reduction kernel)
