@@ -312,8 +312,8 @@ def _plan(ids, local, n_local, bm):
 
 
 def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=False):
-    """contrib [T, k, H], owned [T, k] (and with save_gu the rounded gate/up outputs
-    [T*k, 2I] in the plan's row order, for the backward)."""
+    """contrib [T, k, H], owned [T, k] (and with save_gu what the backward takes: the rounded
+    gate/up outputs [T*k, 2I] in the plan's row order, that order and the rows' local keys)."""
     t, k = ids.shape
     n_local, hidden, inter = wd.shape
     bm, gate_up, down = cfg or _moe_config(t * k)
@@ -328,7 +328,8 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=
     if not t:
         out = (torch.zeros((0, k, hidden), dtype=torch.float32, device=x.device),
                torch.zeros((0, k), dtype=torch.bool, device=x.device))
-        return (*out, x.new_empty(0, 2 * inter)) if save_gu else out
+        return (*out, (x.new_empty(0, 2 * inter), ids.new_empty(0, dtype=torch.int32), ids.new_empty(0))) \
+            if save_gu else out
     plan, key, n_tiles = _plan(ids, local, n_local, bm)
     x = x.contiguous()
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
@@ -345,18 +346,16 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=
         h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter, n_local,
         h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, **EXACT)
     out = contrib.view(t, k, hidden), (key < n_local).view(t, k)
-    return (*out, gu) if save_gu else out
+    return (*out, (gu, plan["order"], key)) if save_gu else out
 
 
-def _groups(ids, local, n_local, every):
+def _groups(order, key, n_local, every):
     """(token, slot) rows of the local experts grouped by expert (the forward plan's order)
     and the groups' end offsets. every: each slot has a local expert, so all t*k rows are
     taken without a count from the device (otherwise that count is one host sync)."""
-    t, k = ids.shape
-    plan, key, _ = _plan(ids, local, n_local, _moe_config(t * k)[0])
-    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=key.device).scatter_add_(
         0, key, torch.ones_like(key))[:n_local]                  # bincount without its size sync
-    sel = plan["order"].long()
+    sel = order.long()
     if not every:
         sel = sel[: int(counts.sum())]
     return sel, torch.cumsum(counts, 0).to(torch.int32)
@@ -436,14 +435,14 @@ def _slot_grads(d_contrib, sel, wr, dtype):
     return dc, dcw
 
 
-def _grouped_backward(x, weights, w_gate_up, wd, ids, local, every, gu, d_contrib):
+def _grouped_backward(x, weights, w_gate_up, wd, ids, every, gu, order, key, d_contrib):
     """Gradients of contrib[r] = w_r * down(silu_mul(gate(x), up(x))) for the rows r of the
     local experts, with torch._grouped_mm over the forward's groups, from the forward's
-    saved gate/up outputs gu (plan order); nothing is recomputed but h (dw_r = <dC_r, y_r> =
+    saved gate/up outputs gu, plan order and keys; nothing is recomputed but h (dw_r = <dC_r, y_r> =
     <dC_r @ Wd, h_r>), the activation's backward one kernel. Each token's gradient sums its
     slots in slot order: no atomics, deterministic."""
     t, k = ids.shape
-    sel, offs = _groups(ids, local, wd.shape[0], every)
+    sel, offs = _groups(order, key, wd.shape[0], every)
     xs = x[sel // k]
     gu = gu[:sel.shape[0]]                                      # the local rows lead the plan order
     wr = weights.reshape(-1)[sel].float().contiguous()
@@ -467,16 +466,16 @@ class _GroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weights, w_gate_up, wd, ids, local, every):
-        contrib, owned, gu = _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local, save_gu=True)
-        ctx.save_for_backward(x, weights, w_gate_up, wd, ids, gu)
-        ctx.local, ctx.every = local, every
+        contrib, owned, saved = _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local, save_gu=True)
+        ctx.save_for_backward(x, weights, w_gate_up, wd, ids, *saved)
+        ctx.every = every
         ctx.mark_non_differentiable(owned)
         return contrib, owned
 
     @staticmethod
     def backward(ctx, d_contrib, _):
-        x, weights, w_gate_up, wd, ids, gu = ctx.saved_tensors
-        grads = _grouped_backward(x, weights, w_gate_up, wd, ids, ctx.local, ctx.every, gu, d_contrib)
+        x, weights, w_gate_up, wd, ids, gu, order, key = ctx.saved_tensors
+        grads = _grouped_backward(x, weights, w_gate_up, wd, ids, ctx.every, gu, order, key, d_contrib)
         return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
 
 
