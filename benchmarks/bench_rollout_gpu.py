@@ -75,7 +75,8 @@ def check_full_depth(model):
         for s in range(len(lens)):
             got[s].append(out[s:s + 1])
     same = all(torch.equal(torch.cat(rows), t) for rows, t in zip(got, train))
-    record("check", f"48-layer train == prefill+graph decode ({sum(lens)} tok)", 0.0, "bitwise EQUAL" if same else "DIFFER")
+    record("check", f"{len(model.model.layers)}-layer train == prefill+graph decode ({sum(lens)} tok)", 0.0,
+           "bitwise EQUAL" if same else "DIFFER")
     del graphs, runner, train
     torch.cuda.empty_cache()
     return same
