@@ -324,8 +324,8 @@ def probe_attention():
     _, _, bt, seq_lens, qsl = kv.plan([(0, chunk)])
     qc = rand(chunk, HQ, D)
     scale = D ** -0.5
-    runs = {"varlen 16k": lambda t: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, s, scale, False, tile=t),
-            "paged 2k@8k": lambda t: ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, chunk, scale, True, tile=t)}
+    runs = {"varlen 16k": lambda t: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, tile=t),
+            "paged 2k@8k": lambda t: ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True, tile=t)}
     base = {name: run(None) for name, run in runs.items()}
     for tile in ((64, 4, 3), (64, 4, 2), (128, 8, 3), (128, 8, 2), (128, 4, 2)):
         for name, run in runs.items():
@@ -342,25 +342,89 @@ def probe_attention_bwd():
     S=4k x4 and 16k x1, and whether two backward passes give identical gradients."""
     from consistent_ops.triton import attention as ta
     tiles = (((64, 64, 4), (64, 64, 4), 2), ((64, 64, 4), (32, 64, 4), 2), ((64, 64, 4), (64, 128, 8), 2),
-             ((128, 64, 8), (64, 128, 8), 2), ((64, 64, 4), (64, 64, 4), 3))
+             ((64, 64, 4), (64, 64, 8), 2), ((128, 64, 8), (64, 64, 4), 2), ((64, 64, 4), (128, 64, 4), 2))
     for s in (4096, 16384):
         batch = 16384 // s
         q, k, v, do = rand(batch * s, HQ, D), rand(batch * s, HKV, D), rand(batch * s, HKV, D), rand(batch * s, HQ, D)
         cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
         scale = D ** -0.5
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
-        o = ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, s, scale, False, lse=lse)
-        fwd = bench(lambda: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, s, scale, False, lse=lse), rep=100)
+        o = ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse)
+        fwd = bench(lambda: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse), rep=100)
         for t in tiles:
             try:
-                g1 = ta._backward(q, k, v, o, lse, do, cu, s, scale, tiles=t)
-                same = all(torch.equal(a, b) for a, b in zip(g1, ta._backward(q, k, v, o, lse, do, cu, s, scale,
+                g1 = ta._backward(q, k, v, o, lse, do, cu, scale, tiles=t)
+                same = all(torch.equal(a, b) for a, b in zip(g1, ta._backward(q, k, v, o, lse, do, cu, scale,
                                                                                 tiles=t)))
-                ms = bench(lambda: ta._backward(q, k, v, o, lse, do, cu, s, scale, tiles=t), rep=100)
+                ms = bench(lambda: ta._backward(q, k, v, o, lse, do, cu, scale, tiles=t), rep=100)
                 print(f"  attention bwd S={s} x{batch} tiles {t}: bwd {ms:.3f} ms, fwd+bwd {fwd + ms:.3f} ms, "
                       f"{'deterministic' if same else 'NOT DETERMINISTIC'}", flush=True)
             except Exception as e:
                 print(f"  attention bwd S={s} tiles {t}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+
+
+def _kernel_stats(fn):
+    """Registers, spills and shared memory of every compiled variant of a Triton kernel."""
+    try:
+        return "; ".join(f"regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}"
+                         for cache in fn.device_caches.values() for k in cache[0].values())
+    except Exception as e:          # the cache layout moves between Triton versions
+        return f"stats unavailable ({type(e).__name__})"
+
+
+def probe_attention_kernels():
+    """Where the attention's time goes: device ms of each kernel (profiler) at S=4k x4, 16k x1
+    and 4k x1 (the actor's one sequence), and each kernel's registers, spills, shared memory."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from consistent_ops.triton import attention as ta
+    for s, batch in ((4096, 4), (16384, 1), (4096, 1)):
+        q, k, v, do = rand(batch * s, HQ, D), rand(batch * s, HKV, D), rand(batch * s, HKV, D), rand(batch * s, HQ, D)
+        cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
+        scale = D ** -0.5
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
+        o = ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse)
+        ta._backward(q, k, v, o, lse, do, cu, scale)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse)
+                ta._backward(q, k, v, o, lse, do, cu, scale)
+            torch.cuda.synchronize()
+        mm = 2 * batch * HQ * s * s / 2 * D / 1e9      # one causal matmul's GFLOP
+        for e in prof.key_averages():
+            if e.device_time_total > 0:
+                ms = e.device_time_total / e.count / 1e3
+                n = 2 if "fwd" in e.key else 3 if "dq_" in e.key else 4 if "dkdv" in e.key else 0
+                print(f"  attention S={s} x{batch} {e.key[:40]:40s} {ms:.3f} ms"
+                      + (f" {n * mm / ms:.0f} TFLOP/s ({n} matmuls)" if n else ""), flush=True)
+    for fn in (ta._attn_fwd_kernel, ta._bwd_dq_kernel, ta._bwd_dkdv_kernel, ta._sum_parts_kernel):
+        print(f"  {fn.__name__}: {_kernel_stats(fn)}", flush=True)
+
+
+def probe_host():
+    """Host microseconds per launch (no sync: the device is faster than the host here) of the
+    linear with TMA descriptors vs pointer loads of the same tile, at a 2k-token chunk's shapes."""
+    import time
+
+    from consistent_ops.triton import gemm
+    x = rand(2048, 2048)
+    for name, n in (("qkv", 5120), ("o_proj", 2048)):
+        w = rand(n, 2048, scale=2048 ** -0.5)
+        for cfg in ((128, 128, 64, 8, 4, 4, True), (128, 128, 64, 8, 4, 4, False),
+                    (256, 128, 64, 8, 8, 3, True), (256, 128, 64, 8, 8, 3, False)):
+            for _ in range(3):
+                gemm.matmul(x, w, cfg=cfg)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                gemm.matmul(x, w, cfg=cfg)
+            host = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+            same = torch.equal(gemm.matmul(x, w, cfg=cfg), gemm.matmul(x, w, cfg=(128, 128, 64, 8, 4, 4, True)))
+            print(f"  host linear {name} cfg {cfg}: host {host:.1f} us/call, device "
+                  f"{_graph_ms(lambda: gemm.matmul(x, w, cfg=cfg)) * 1e3:.1f} us, bits {'same' if same else 'DIFF'}",
+                  flush=True)
 
 
 def _moe_cfg(bm, gu, dn):
@@ -430,7 +494,8 @@ def main():
     steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, moe=moe,
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
                  actor_profile=actor_profile, probe_attention=probe_attention,
-                 probe_attention_bwd=probe_attention_bwd)
+                 probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
+                 probe_host=probe_host)
     failed = []
     for key in args.only:
         try:

@@ -164,6 +164,21 @@ def test_backend_mixed_batch_equals_varlen(legacy_shape):
     assert len(builder.build(0, _metadata([1, 86, 33], [70, 150, 33], tables, slots=None)).groups) == 3
 
 
+def test_triton_backend_builds_any_batch_as_one_call(monkeypatch):
+    """On the Triton backend (its grid is sized by shapes) the builder declares ALWAYS and a
+    mixed batch is one call over the persistent buffers' views: what a FULL graph replays.
+    The reference backend (pads each call to its longest query) keeps bucketing, UNIFORM_BATCH."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    meta = _metadata([1, 86, 33, 0], [70, 150, 33, 0], [[1, 2, 3, 4, 5], [6] * 10, [7, 8, 9], [0]], slots=None)
+    builder = va.ConsistentAttentionMetadataBuilder(None, [], None, "cpu")
+    assert len(builder.build(0, meta).groups) == 3
+    monkeypatch.setattr(va.co, "backend_name", lambda: "triton")
+    assert va.ConsistentAttentionMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.ALWAYS
+    (group,) = builder.build(0, meta).groups
+    assert group.rows is None and group.query_start_loc.data_ptr() == meta.query_start_loc.data_ptr()
+    assert group.block_table.data_ptr() == meta.block_table_tensor.data_ptr()
+
+
 def test_warmup_without_metadata_returns_zeros():
     impl = va.ConsistentAttentionImpl(4, 32, 1.0, 2)
     out = torch.full((3, 4, 32), float("nan"))

@@ -120,6 +120,52 @@ def test_attention_backward_vs_float64(qkv):
         assert rel(mine, exact) < 2e-2
 
 
+def test_padded_mixed_batch_is_one_launch_with_exact_no_op_padding(qkv):
+    """A batch padded as a FULL CUDA graph pads it (a request with no tokens, token rows past
+    the last request): the grid comes from shapes alone, the real rows equal the unpadded
+    call's bit for bit."""
+    q, k, v = qkv
+    a, b = LENS
+    c = Cache()
+    c.step(q[:60], k[:60], v[:60], [(0, 60)])                  # seq 0's context
+    rows = list(range(60, 61)) + list(range(a, a + 40))         # seq 0 decodes, seq 1 prefills 40
+    ref = Cache()
+    ref.step(q[:60], k[:60], v[:60], [(0, 60)])
+    want = ref.step(q[rows], k[rows], v[rows], [(0, 1), (1, 40)])
+    qp = torch.cat([q[rows], rand(7, HQ, D, seed=5)])           # 7 padding token rows
+    slots, qsl, seq_lens = [], [0], []
+    for s, n in ((0, 1), (1, 40)):
+        pos = torch.arange(c.lens[s], c.lens[s] + n)
+        slots.append(c.table[s, pos // c.page].long() * c.page + pos % c.page)
+        c.lens[s] += n
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(c.lens[s])
+    T.write_kv_cache(k[rows], v[rows], c.k, c.v, torch.cat(slots))
+    table = torch.cat([c.table[[0, 1]], torch.zeros(1, c.table.shape[1], dtype=torch.int32)])
+    got = T.attention_paged(qp, c.k, c.v, table, torch.tensor(seq_lens + [0]), torch.tensor(qsl + [qsl[-1]]))
+    assert torch.equal(got[:41], want)
+
+
+def test_attention_backward_over_query_chunks(qkv, monkeypatch):
+    """dK/dV split over query chunks (fp32 partials added in chunk order): deterministic and
+    accurate against float64 when a sequence spans several chunks."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "_QCHUNK", 32)
+    q, k, v = (t.clone().requires_grad_() for t in qkv)
+    g = rand(*q.shape, seed=9)
+    grads = []
+    for _ in range(2):
+        for t in (q, k, v):
+            t.grad = None
+        T.attention_varlen(q, k, v, _cu(LENS)).backward(g)
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    assert all(torch.equal(x, y) for x, y in zip(*grads))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in qkv)
+    R.attention_varlen(q64, k64, v64, _cu(LENS)).backward(g.double())
+    for mine, exact in zip(grads[0], (q64.grad, k64.grad, v64.grad)):
+        assert rel(mine, exact) < 2e-2
+
+
 # ---------------------------------------------------------------- linear, norms, log-probs
 def test_linear_rows_and_accuracy():
     x, w, b = rand(200, 256, seed=4), rand(96, 256, scale=0.05, seed=5), rand(96, seed=6)

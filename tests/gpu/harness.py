@@ -114,29 +114,32 @@ class ModelRunner:
 
 
 class GraphRunner:
-    """What vLLM's runner does for FULL CUDA-graph decode: persistent input buffers, one
-    graph per capture size, a real batch padded up to the smallest size that holds it
-    (padding tokens: id 0, position 0, slot -1; padding requests: no tokens), replays
-    across steps while block tables and sequence lengths change. The graph holds the whole
-    forward and the LM head; only the buffer fills run on the host."""
+    """What vLLM's runner does for FULL CUDA graphs: persistent input buffers, one graph per
+    capture size (tokens; requests up to min(size, max_reqs), as vLLM's dispatcher sizes
+    them), a real batch (decodes, prefill chunks or a mix) padded up to the smallest size
+    that holds it (padding tokens: id 0, position 0, slot -1; padding requests: no tokens),
+    replays across steps while block tables and sequence lengths change. The graph holds
+    the whole forward and the LM head (over every token, or each request's last token with
+    last_only, as vLLM samples); only the buffer fills run on the host."""
 
-    def __init__(self, runner: ModelRunner, sizes=(1, 8, 64), max_pages=256):
+    def __init__(self, runner: ModelRunner, sizes=(1, 8, 64), max_pages=256, max_reqs=None, last_only=False):
         self.runner, self.kv, self.model = runner, runner.kv, runner.model
-        self.pool, self.graphs = torch.cuda.graph_pool_handle(), {}
-        dev, i32 = self.kv.device, torch.int32
-        for b in sorted(sizes):
-            bufs = dict(ids=torch.zeros(b, dtype=torch.long, device=dev),
-                        pos=torch.zeros(b, dtype=torch.long, device=dev),
-                        slots=torch.full((b,), -1, dtype=torch.long, device=dev),
-                        table=torch.zeros(b, max_pages, dtype=i32, device=dev),
-                        seq_lens=torch.ones(b, dtype=i32, device=dev),
-                        qsl=torch.arange(b + 1, dtype=i32, device=dev))
+        self.pool, self.graphs, self.last_only = torch.cuda.graph_pool_handle(), {}, last_only
+        dev, i32, i64 = self.kv.device, torch.int32, torch.long
+        for b in sorted(sizes, reverse=True):      # largest first: smaller graphs reuse its pool
+            r = min(b, max_reqs or b)
+            bufs = dict(ids=torch.zeros(b, dtype=i64, device=dev), pos=torch.zeros(b, dtype=i64, device=dev),
+                        slots=torch.full((b,), -1, dtype=i64, device=dev),
+                        table=torch.zeros(r, max_pages, dtype=i32, device=dev),
+                        qsl=torch.arange(r + 1, dtype=i32, device=dev), last=torch.zeros(r, dtype=i64, device=dev))
+            bufs["qsl"][-1] = b                     # warm-up batch: the last request takes the rest
+            bufs["seq_lens"] = (bufs["qsl"][1:] - bufs["qsl"][:-1]).to(i32)
             self.graphs[b] = (bufs, *self._capture(bufs))
 
     def _forward(self, bufs):
         step = (bufs["slots"], bufs["pos"], bufs["table"], bufs["seq_lens"], bufs["qsl"])
         hidden = self.model.model(bufs["ids"], bufs["pos"], lambda i, q, k, v: self.kv.attend(i, q, k, v, step))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[bufs["last"]] if self.last_only else hidden)
 
     @torch.no_grad()
     def _capture(self, bufs):
@@ -152,16 +155,18 @@ class GraphRunner:
         return graph, out
 
     def step(self, batch):
-        """batch: [(seq_id, token_ids [1])] (one new token each). Returns fp32 logits [len(batch), V]."""
-        n = len(batch)
-        size = min(b for b in self.graphs if b >= n)
+        """batch: [(seq_id, token_ids [n])], any mix of decodes and prefill chunks. Returns fp32
+        logits [sum n, V] in batch order (last_only: [len(batch), V], each request's last token)."""
+        n, reqs = sum(len(t) for _, t in batch), len(batch)
+        size = min(b for b, (bufs, _, _) in self.graphs.items() if b >= n and len(bufs["seq_lens"]) >= reqs)
         bufs, graph, out = self.graphs[size]
-        slots, pos, table, seq_lens, qsl = self.kv.plan([(sid, 1) for sid, _ in batch])
+        slots, pos, table, seq_lens, qsl = self.kv.plan([(sid, len(t)) for sid, t in batch])
         bufs["ids"].zero_()[:n] = torch.cat([t for _, t in batch]).to(bufs["ids"].device)
         bufs["pos"].zero_()[:n] = pos
         bufs["slots"].fill_(-1)[:n] = slots
-        bufs["table"].zero_()[:n, :table.shape[1]] = table
-        bufs["seq_lens"].zero_()[:n] = seq_lens
-        bufs["qsl"].fill_(n)[:n + 1] = qsl          # padding requests: no tokens
+        bufs["table"].zero_()[:reqs, :table.shape[1]] = table
+        bufs["seq_lens"].zero_()[:reqs] = seq_lens
+        bufs["qsl"].fill_(n)[:reqs + 1] = qsl       # padding requests: no tokens
+        bufs["last"].zero_()[:reqs] = qsl[1:] - 1
         graph.replay()
-        return out[:n].clone()
+        return out[:reqs if self.last_only else n].clone()

@@ -73,6 +73,32 @@ def test_graph_replays_equal_eager_and_trainer(model, tokens, train_logits):
     assert checked == DECODE * len(LENS)            # every decoded token, through graphs of sizes 1, 4 and 8
 
 
+def test_mixed_batch_graph_replays_equal_eager_and_trainer(model, tokens, train_logits):
+    """FULL graphs of mixed batches (what ALWAYS lets vLLM capture): every step mixes prefill
+    chunks of changing lengths with decodes, padded up to a token capture size with padding
+    requests; every token equals eager and the trainer bit for bit."""
+    graphed, eager = ModelRunner(model, seed=3), ModelRunner(model, seed=4)
+    graphs = GraphRunner(graphed, sizes=(16, 64, 160), max_reqs=8)
+    g = torch.Generator().manual_seed(11)
+    done, checked, sizes_used = [0] * len(LENS), 0, set()
+    while any(d < n for d, n in zip(done, LENS)):
+        batch = []
+        for s, n in enumerate(LENS):
+            if done[s] < n and torch.rand((), generator=g) < 0.8:
+                take = 1 if torch.rand((), generator=g) < 0.4 else int(torch.randint(2, 33, (), generator=g))
+                batch.append((s, tokens[s][done[s]:min(done[s] + take, n)]))
+        if not batch:
+            continue
+        got, ref = graphs.step(batch), eager.step(batch)
+        sizes_used.add(min(b for b in graphs.graphs if b >= sum(len(t) for _, t in batch)))
+        assert torch.equal(got, ref), f"mixed graph replay != eager at {[(s, len(t)) for s, t in batch]}"
+        for (s, t), rows in zip(batch, got.split([len(t) for _, t in batch])):
+            assert torch.equal(rows, train_logits[s][done[s]:done[s] + len(t)]), f"graph != trainer, seq {s}"
+            done[s] += len(t)
+            checked += len(t)
+    assert checked == sum(LENS) and sizes_used == {16, 64, 160}
+
+
 @torch.no_grad()
 def test_logprobs_capture_with_per_row_temperatures():
     """The contract's log-probs (vLLM computes them after the forward) capture too: per-row

@@ -34,6 +34,10 @@ _TILE, _STAGES = (64, 4), 3
 # Sized so that no accumulator spills (checked with the compiler's resource report); dK/dV
 # over 64-row query tiles: 4.66 ms vs 5.05 for 32 rows at S=4k x4 (probe_attention_bwd).
 _BWD_DQ, _BWD_DKDV, _BWD_STAGES = (64, 64, 4), (64, 64, 4), 2
+# dK/dV programs walk the query tiles of one chunk of at least _QCHUNK tokens each (fp32
+# partials, added in chunk order): one 4k sequence's backward 1.11 ms vs 1.53 unsplit, four
+# 4k sequences 4.21 vs 4.69 (H200, probe_attention_kernels).
+_QCHUNK = 1024
 # The online softmax runs in base 2 with the logit scale folded into one FMA (two fp32
 # operations fewer per score than exp(s * scale - m)): on the H200 the forward got 11-14 %
 # faster (probe_attention). qk_scale = scale * log2(e) in fp64, rounded to fp32 once.
@@ -106,19 +110,35 @@ def _tile_rows(tile, n_new, ROWS: tl.constexpr, G: tl.constexpr, TPT: tl.constex
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table,
+def _flat_tile(p, Starts, S, UNIT: tl.constexpr, SB: tl.constexpr):
+    """(sequence, tile) of program p when the tiles of UNIT tokens of every sequence are
+    numbered one after another, sequence 0's first. The grid is sized by shapes alone
+    (cdiv(T, UNIT) + S bounds the tiles of any batch of T tokens in S sequences), so a
+    mixed batch launches no program per (sequence, longest query) pair, and nothing is
+    read back on the host; seq >= S: p is past the last tile. SB: a power of two >= S."""
+    i = tl.arange(0, SB)
+    inb = i < S
+    lens = tl.load(Starts + i + 1, mask=inb, other=0) - tl.load(Starts + i, mask=inb, other=0)
+    tiles = (lens + UNIT - 1) // UNIT
+    end = tl.cumsum(tiles, 0)
+    seq = tl.sum((end <= p).to(tl.int32), 0)
+    return seq, p - tl.sum(tl.where(i == seq, end - tiles, 0), 0)
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
                      stride_qt, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
                      stride_ot, stride_oh, stride_tab, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                     KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr):
+                     KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
+                     SB: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kvh = tl.program_id(2)
+    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
+    if seq >= S:
+        return
+    kvh = tl.program_id(1)
     q0 = tl.load(QStart + seq)
     n_new = tl.load(QStart + seq + 1) - q0
-    if tile * TPT >= n_new:
-        return
     seq_len = tl.load(SeqLen + seq)                  # includes this step's tokens
     ctx = seq_len - n_new                            # tokens cached before this step
     # 2. rows and their positions; padding rows get a real prefix and are never stored
@@ -140,7 +160,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table,
     tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(O.dtype.element_ty), mask=valid[:, None])
     if STORE_LSE:  # log-sum-exp for the backward's recomputation of p
-        tl.store(LSE + qrow * (G * tl.num_programs(2)) + head, m + tl.log2(l), mask=valid)   # base 2
+        tl.store(LSE + qrow * (G * tl.num_programs(1)) + head, m + tl.log2(l), mask=valid)   # base 2
 
 
 @triton.jit
@@ -160,18 +180,17 @@ def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, qk
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, Delta, DQ, Cu, stride_t, stride_kt, scale, qk_scale,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, Delta, DQ, Cu, S, stride_t, stride_kt, scale, qk_scale,
                    G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HQ: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HQ: tl.constexpr, SB: tl.constexpr):
     """dQ for one query tile: key blocks walked from 0 in order into one accumulator.
     Also delta = rowsum(dO * O) in fp32 for its rows, stored for the dK/dV kernel."""
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
-    kvh = tl.program_id(2)
+    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), Cu, S, TPT, SB)
+    if seq >= S:
+        return
+    kvh = tl.program_id(1)
     s0 = tl.load(Cu + seq)
     n = tl.load(Cu + seq + 1) - s0
-    if tile * TPT >= n:
-        return
     tok, hg, valid = _tile_rows(tile, n, ROWS, G, TPT)
     head = kvh * G + hg
     d = tl.arange(0, D)
@@ -216,18 +235,22 @@ def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, Cu, stride_t, stride_kt, scale, qk_scale,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, Cu, S, stride_t, stride_kt, stride_part, scale, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HQ: tl.constexpr):
-    """dK, dV for one key block: query tiles walked in ascending order (fixed order,
-    no atomics); the G query heads of the KV head are rows of every tile."""
-    blk = tl.program_id(0)
-    seq = tl.program_id(1)
+                     BLOCK_N: tl.constexpr, HQ: tl.constexpr, QCHUNK: tl.constexpr, SB: tl.constexpr):
+    """fp32 partial dK, dV of one key block over the query tiles of one chunk of QCHUNK
+    tokens (tiles walked in ascending order, no atomics), stored at Part[0 / 1, chunk];
+    _sum_parts_kernel adds a block's chunks in ascending order. Chunks split the long
+    walks of early key blocks into more programs (few long sequences fill the GPU)."""
+    seq, blk = _flat_tile(tl.program_id(0), Cu, S, BLOCK_N, SB)
+    if seq >= S:
+        return
+    c = tl.program_id(1)
     kvh = tl.program_id(2)
     s0 = tl.load(Cu + seq)
     n = tl.load(Cu + seq + 1) - s0
     n0 = blk * BLOCK_N
-    if n0 >= n:
+    if (c + 1) * QCHUNK <= n0 or c * QCHUNK >= n:   # no query of this chunk sees these keys
         return
     d = tl.arange(0, D)
     kpos = n0 + tl.arange(0, BLOCK_N)
@@ -237,15 +260,40 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, Cu, stride_t, stride_kt, s
     v = tl.load(V + kptr, mask=kin[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    t_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), tl.cdiv(n, TPT))   # first tile seeing all keys
-    for t in range(n0 // TPT, t_full):
+    t_lo = tl.maximum(n0 // TPT, c * (QCHUNK // TPT))
+    t_hi = tl.minimum(tl.cdiv(n, TPT), (c + 1) * (QCHUNK // TPT))
+    t_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), t_hi)    # first tile seeing all keys
+    for t in range(t_lo, t_full):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
                                 G, TPT, ROWS, D, HQ, True)
-    for t in range(t_full, tl.cdiv(n, TPT)):
+    for t in range(tl.maximum(t_full, t_lo), t_hi):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
                                 G, TPT, ROWS, D, HQ, False)
-    tl.store(DK + kptr, (dk * scale).to(DK.dtype.element_ty), mask=kin[:, None])
-    tl.store(DV + kptr, dv.to(DV.dtype.element_ty), mask=kin[:, None])
+    pptr = Part + c.to(tl.int64) * stride_part + kptr
+    tl.store(pptr, dk * scale, mask=kin[:, None])
+    tl.store(pptr + tl.num_programs(1).to(tl.int64) * stride_part, dv, mask=kin[:, None])
+
+
+@triton.jit
+def _sum_parts_kernel(Part, Out, Cu, S, chunks, stride_kt, stride_part,
+                      D: tl.constexpr, BLOCK_N: tl.constexpr, QCHUNK: tl.constexpr, SB: tl.constexpr):
+    """dK (axis 2 = 0) or dV (1) of one key block: the partials of the chunks that see it
+    added in ascending chunk order, rounded once to the output dtype (deterministic)."""
+    seq, blk = _flat_tile(tl.program_id(0), Cu, S, BLOCK_N, SB)
+    if seq >= S:
+        return
+    kvh = tl.program_id(1)
+    j = tl.program_id(2).to(tl.int64)
+    s0 = tl.load(Cu + seq)
+    n = tl.load(Cu + seq + 1) - s0
+    n0 = blk * BLOCK_N
+    kpos = n0 + tl.arange(0, BLOCK_N)
+    kin = kpos < n
+    kptr = (s0 + kpos).to(tl.int64)[:, None] * stride_kt + kvh * D + tl.arange(0, D)[None, :]
+    acc = tl.zeros([BLOCK_N, D], tl.float32)
+    for c in range(n0 // QCHUNK, tl.cdiv(n, QCHUNK)):
+        acc += tl.load(Part + (j * chunks + c) * stride_part + kptr, mask=kin[:, None], other=0.0)
+    tl.store(Out + j * stride_part + kptr, acc.to(Out.dtype.element_ty), mask=kin[:, None])
 
 
 def _check(q, hkv):
@@ -257,7 +305,12 @@ def _check(q, hkv):
     return hq // hkv
 
 
-def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None, tile=None):
+def _grid_tiles(t, s, unit):
+    """Programs of a flat tile grid (_flat_tile) over t tokens in s sequences, and its SB."""
+    return triton.cdiv(t, unit) + s, triton.next_power_of_2(max(s, 16))
+
+
+def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] or caches [pages, page, Hkv, D].
     tile: (rows, warps, stages) instead of the one forward tile (probes only)."""
     g = _check(q, k.shape[-2])
@@ -273,65 +326,74 @@ def _forward(q, k, v, q_start, seq_lens, table, max_new, scale, paged, lse=None,
         raise ValueError("q, k, v need a contiguous head_dim")
     o = torch.empty_like(q)
     s = len(seq_lens)
-    grid = (triton.cdiv(max_new, tpt), s, k.shape[-2])
+    programs, sb = _grid_tiles(q.shape[0], s, tpt)
     tab = table if paged else q_start
     kr, vr = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
-    _attn_fwd_kernel[grid](
-        q, k, v, o, lse if lse is not None else o, q_start, seq_lens, tab,
+    _attn_fwd_kernel[(programs, k.shape[-2])](
+        q, k, v, o, lse if lse is not None else o, q_start, seq_lens, tab, s,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=q.shape[-1], KV=KV_BLOCK, PAGE=page, PAGED=paged,
-        STORE_LSE=lse is not None, num_warps=warps, num_stages=stages, **EXACT)
+        STORE_LSE=lse is not None, SB=sb, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
-def _backward(q, k, v, o, lse, do, cu, max_len, scale, tiles=None):
+def _query_chunk(max_len):
+    """Tokens per query chunk of the dK/dV kernel: _QCHUNK (few long sequences still fill
+    the GPU), at most 8 chunks (the fp32 partials take 2 x chunks x the size of K)."""
+    return max(_QCHUNK, triton.next_power_of_2(triton.cdiv(max_len, 8)))
+
+
+def _backward(q, k, v, o, lse, do, cu, scale, tiles=None):
     """dQ, dK, dV. tiles: (dQ tile, dK/dV tile, stages) instead of the backward's (probes only)."""
     dq_tile, dkdv_tile, stages = tiles or (_BWD_DQ, _BWD_DKDV, _BWD_STAGES)
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[1]
+    (t, hq, d), hkv = q.shape, k.shape[1]
     g = hq // hkv
     do = do.contiguous()
     if o.stride() != q.stride() or do.stride() != q.stride():
         raise ValueError("o and dO must have q's layout")
-    delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)   # written by the dQ kernel
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    s = len(cu) - 1
-    rows, keys, warps = dq_tile
+    if k.stride() != v.stride() or not k.is_contiguous():
+        raise ValueError("k and v must be contiguous [T, Hkv, D]")
     if g > min(dq_tile[0], dkdv_tile[0]):
         raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {dkdv_tile[0]}")
-    _bwd_dq_kernel[(triton.cdiv(max_len, rows // g), s, hkv)](
-        q, k, v, o, do, lse, delta, dq, cu, q.stride(0), k.stride(0), scale, scale * _LOG2E,
-        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=stages, **EXACT)
+    delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)   # written by the dQ kernel
+    dq = torch.empty_like(q)
+    s = len(cu) - 1
+    rows, keys, warps = dq_tile
+    programs, sb = _grid_tiles(t, s, rows // g)
+    _bwd_dq_kernel[(programs, hkv)](
+        q, k, v, o, do, lse, delta, dq, cu, s, q.stride(0), k.stride(0), scale, scale * _LOG2E,
+        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, SB=sb, num_warps=warps, num_stages=stages, **EXACT)
     rows, keys, warps = dkdv_tile
-    _bwd_dkdv_kernel[(triton.cdiv(max_len, keys), s, hkv)](
-        q, k, v, do, lse, delta, dk, dv, cu, q.stride(0), k.stride(0), scale, scale * _LOG2E,
-        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, num_warps=warps, num_stages=stages, **EXACT)
-    return dq, dk, dv
+    qchunk = _query_chunk(t)          # from shapes (any sequence has at most T tokens): capturable
+    chunks = triton.cdiv(t, qchunk)
+    part = torch.empty((2, chunks, *k.shape), dtype=torch.float32, device=k.device)
+    programs, sb = _grid_tiles(t, s, keys)
+    _bwd_dkdv_kernel[(programs, chunks, hkv)](
+        q, k, v, do, lse, delta, part, cu, s, q.stride(0), k.stride(0), k.numel(), scale, scale * _LOG2E,
+        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, QCHUNK=qchunk, SB=sb,
+        num_warps=warps, num_stages=stages, **EXACT)
+    dkv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    _sum_parts_kernel[(programs, hkv, 2)](part, dkv, cu, s, chunks, k.stride(0), k.numel(),
+                                          D=d, BLOCK_N=keys, QCHUNK=qchunk, SB=sb, num_warps=4)
+    return dq, dkv[0], dkv[1]
 
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
+    def forward(ctx, q, k, v, cu, scale):
         need_grad = any(ctx.needs_input_grad[:3])
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if need_grad else None
-        o = _forward(q, k, v, cu, cu[1:] - cu[:-1], None, max_len, scale, paged=False, lse=lse)
+        o = _forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, paged=False, lse=lse)
         if need_grad:
             ctx.save_for_backward(q, k, v, o, lse, cu)
-            ctx.max_len, ctx.scale = max_len, scale
+            ctx.scale = scale
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu = ctx.saved_tensors
-        return (*_backward(q, k, v, o, lse, do, cu, ctx.max_len, ctx.scale), None, None, None)
-
-
-def _max_new_bound(q, starts):
-    """Most new tokens any sequence can have, from shapes alone (T - S + 1: every other
-    sequence has at least one): exact for decode batches and single sequences, never a
-    device sync (capturable in CUDA graphs); tiles past a sequence's end exit at once."""
-    return max(q.shape[0] - (starts.shape[0] - 1) + 1, 1)
+        return (*_backward(q, k, v, o, lse, do, cu, ctx.scale), None, None)
 
 
 def attention_varlen(q, k, v, cu_seqlens, scale=None):
@@ -339,19 +401,19 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return _VarlenAttention.apply(q, k, v, cu, _max_new_bound(q, cu), scale)
+    return _VarlenAttention.apply(q, k, v, cu, scale)
 
 
 def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
                     max_query_len=None):
     """New tokens of each sequence against the paged cache (which already holds them).
     q [T, Hq, D]; caches [pages, page_size, Hkv, D]; block_table [S, max_pages];
-    seq_lens [S] include this step's tokens; query_start_loc [S+1]. max_query_len bounds the
-    grid (needed when padding requests with no tokens make the shape bound too small);
-    the bits never depend on it. Capturable: nothing here reads device data on the host."""
+    seq_lens [S] include this step's tokens; query_start_loc [S+1]; requests with no tokens
+    (padding) are exact no-ops. max_query_len is not needed: the grid is sized by shapes alone
+    (_flat_tile), so mixed prefill/decode batches run as one launch and capture in CUDA graphs
+    (nothing here reads device data on the host)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dev = q.device
     qsl = query_start_loc.to(device=dev, dtype=torch.int32)
-    bound = _max_new_bound(q, qsl) if max_query_len is None else max(int(max_query_len), 1)
     return _forward(q, key_cache, value_cache, qsl, seq_lens.to(device=dev, dtype=torch.int32),
-                    block_table.to(device=dev, dtype=torch.int32), bound, scale, paged=True)
+                    block_table.to(device=dev, dtype=torch.int32), scale, paged=True)

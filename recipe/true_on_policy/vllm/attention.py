@@ -88,8 +88,9 @@ class ConsistentAttentionMetadata:
 def group_requests(query_lens: list[int]) -> list[list[int]]:
     """Requests bucketed by query length (decodes; then powers of two).
 
-    attention_paged pads every request to the longest query of its call, so one call
-    over 63 decodes and a 2k-token prefill chunk would do 64 x 2k rows of work.
+    The reference backend's attention_paged pads every request to the longest query of its
+    call, so one call over 63 decodes and a 2k-token prefill chunk would do 64 x 2k rows of
+    work (the Triton kernel launches tiles per request and needs no buckets).
     Bucketing bounds the padding to 2x. Bits do not change: the contract computes
     each request alone (batch-of-slice == slice-of-batch) and the trainer packs
     sequences differently anyway."""
@@ -101,24 +102,31 @@ def group_requests(query_lens: list[int]) -> list[list[int]]:
 
 
 class ConsistentAttentionMetadataBuilder(AttentionMetadataBuilder[ConsistentAttentionMetadata]):
-    # FULL CUDA graphs for uniform batches (decode, and spec-decode verification): one
-    # attention_paged call over views of vLLM's persistent metadata buffers, padding requests
-    # (no tokens) included as exact no-ops, a grid sized by max_query_len, nothing read back
-    # on the host in the forward. Mixed batches are bucketed per step (index tensors built
-    # here), so they run outside full graphs. tests/gpu/test_triton_graphs.py replays decode
-    # graphs as vLLM's runner does and checks the bits against eager and the trainer.
+    # FULL CUDA graphs: one attention_paged call over views of vLLM's persistent metadata
+    # buffers, padding requests (no tokens) included as exact no-ops, nothing read back on
+    # the host in the forward. The Triton kernel's grid is sized by shapes alone, so any
+    # batch, mixed prefill/decode included, is one launch: ALWAYS. The reference backend
+    # pads each call to its longest query, so mixed batches are bucketed per step (index
+    # tensors built here) and only uniform batches (decode, spec-decode verification) are
+    # one call; Ascend's flash-attention-npu takes max_query_len as a launch size, so it
+    # captures uniform batches only too. tests/gpu/test_triton_graphs.py replays decode and
+    # mixed graphs as vLLM's runner does and checks the bits against eager and the trainer.
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.ALWAYS if co.backend_name() == "triton" else cls._cudagraph_support
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ConsistentAttentionMetadata:
         m, n = common_attn_metadata, common_attn_metadata.num_reqs
         qsl = m.query_start_loc_cpu[:n + 1].tolist()
         lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
-        groups = group_requests(lens)
-        if len(groups) <= 1:        # one bucket (padding requests ride along): the whole batch
+        groups = group_requests(lens) if co.backend_name() == "reference" else []
+        if len(groups) <= 1:        # one call (padding requests ride along): the whole batch
             whole = AttentionGroup(None, m.query_start_loc[:n + 1], m.seq_lens[:n], m.block_table_tensor[:n],
                                    max(lens, default=1))
             return ConsistentAttentionMetadata(qsl[-1], [whole])
