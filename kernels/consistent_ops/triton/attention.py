@@ -306,8 +306,10 @@ def _check(q, hkv):
 
 
 def _grid_tiles(t, s, unit):
-    """Programs of a flat tile grid (_flat_tile) over t tokens in s sequences, and its SB."""
-    return triton.cdiv(t, unit) + s, triton.next_power_of_2(max(s, 16))
+    """Programs of a flat tile grid (_flat_tile) over t tokens in s sequences, and its SB:
+    at least 32 (one warp's lanes; below that the H200 compile of the forward took 255
+    registers and spilled instead of 181)."""
+    return triton.cdiv(t, unit) + s, triton.next_power_of_2(max(s, 32))
 
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None):
