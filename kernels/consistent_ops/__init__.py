@@ -18,8 +18,9 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
 def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
                     max_query_len=None):
     """New tokens against a paged KV cache [pages, page_size, Hkv, D] that already holds them.
-    max_query_len: an upper bound on any sequence's new tokens (a launch size; never the bits),
-    e.g. vLLM's metadata value; by default derived from the shapes."""
+    max_query_len: an upper bound on any sequence's new tokens, e.g. vLLM's metadata value: a
+    launch size for flash-attention-npu (never the bits); the Triton grid comes from shapes and
+    the reference reads the lengths, so both ignore it."""
     return get_backend().attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
                                          max_query_len)
 

@@ -10,11 +10,14 @@ position p is stored). A row's bits depend on its q, its position and the keys o
   4 warps: one warpgroup's wgmma m64; a row's max/sum never leaves its warp);
 - a block a row cannot see is an exact no-op (a = exp2(0) = 1, p = exp2(-inf) = 0), so
   a tile that walks further for its later rows leaves earlier rows' bits unchanged.
-The softmax runs in base 2 (contract.ACCUMULATION["triton"]). The backward (training
-only) recomputes p from the saved base-2 log-sum-exp with the same masks; dK/dV are
-accumulated by the program that owns the key block, over query tiles in ascending order,
-and dQ by the program that owns the query tile, over key blocks in ascending order: no
-atomics, so gradients are run-to-run deterministic.
+The softmax runs in base 2 (contract.ACCUMULATION["triton"]). Grids are sized by shapes
+alone: the tiles of every sequence are numbered one after another (_flat_tile), so a mixed
+prefill/decode batch is one launch of about T / tile + S programs and captures in a CUDA
+graph. The backward (training only) recomputes p from the saved base-2 log-sum-exp with the
+same masks; dK/dV are accumulated by the program that owns the key block and a chunk of
+queries, over its query tiles in ascending order, the chunks' fp32 partials then added in
+ascending chunk order; dQ by the program that owns the query tile, over key blocks in
+ascending order: no atomics, so gradients are run-to-run deterministic.
 """
 import math
 
