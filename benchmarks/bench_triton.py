@@ -324,7 +324,7 @@ def probe_attention():
     _, _, bt, seq_lens, qsl = kv.plan([(0, chunk)])
     qc = rand(chunk, HQ, D)
     scale = D ** -0.5
-    runs = {"varlen 16k": lambda t: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, tile=t),
+    runs = {"varlen 16k": lambda t: ta._forward(q, k, v, cu, None, None, scale, False, tile=t),
             "paged 2k@8k": lambda t: ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True, tile=t)}
     base = {name: run(None) for name, run in runs.items()}
     for tile in ((64, 4, 3), (64, 4, 2), (128, 8, 3), (128, 8, 2), (128, 4, 2)):
@@ -350,8 +350,8 @@ def probe_attention_bwd():
         cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
         scale = D ** -0.5
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
-        o = ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse)
-        fwd = bench(lambda: ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse), rep=100)
+        o = ta._forward(q, k, v, cu, None, None, scale, False, lse=lse)
+        fwd = bench(lambda: ta._forward(q, k, v, cu, None, None, scale, False, lse=lse), rep=100)
         base = ta._backward(q, k, v, o, lse, do, cu, scale)
         for t in tiles:
             try:
@@ -387,12 +387,12 @@ def probe_attention_kernels():
         cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
         scale = D ** -0.5
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
-        o = ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse)
+        o = ta._forward(q, k, v, cu, None, None, scale, False, lse=lse)
         ta._backward(q, k, v, o, lse, do, cu, scale)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                ta._forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, False, lse=lse)
+                ta._forward(q, k, v, cu, None, None, scale, False, lse=lse)
                 ta._backward(q, k, v, o, lse, do, cu, scale)
             torch.cuda.synchronize()
         mm = 2 * batch * HQ * s * s / 2 * D / 1e9      # one causal matmul's GFLOP

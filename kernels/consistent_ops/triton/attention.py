@@ -142,7 +142,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
     kvh = tl.program_id(1)
     q0 = tl.load(QStart + seq)
     n_new = tl.load(QStart + seq + 1) - q0
-    seq_len = tl.load(SeqLen + seq)                  # includes this step's tokens
+    if PAGED:
+        seq_len = tl.load(SeqLen + seq)              # includes this step's tokens
+    else:                                            # packed sequences: no cached tokens
+        seq_len = n_new
     ctx = seq_len - n_new                            # tokens cached before this step
     # 2. rows and their positions; padding rows get a real prefix and are never stored
     tok, hg, valid = _tile_rows(tile, n_new, ROWS, G, TPT)
@@ -316,8 +319,8 @@ def _grid_tiles(t, s, unit):
 
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None):
-    """Launch the one forward kernel. k/v: packed [T, Hkv, D] or caches [pages, page, Hkv, D].
-    tile: (rows, warps, stages) instead of the one forward tile (probes only)."""
+    """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
+    [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile (probes only)."""
     g = _check(q, k.shape[-2])
     rows, warps, stages = tile or (*_TILE, _STAGES)
     if g > rows:
@@ -330,12 +333,12 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v need a contiguous head_dim")
     o = torch.empty_like(q)
-    s = len(seq_lens)
+    s = len(q_start) - 1
     programs, sb = _grid_tiles(q.shape[0], s, tpt)
     tab = table if paged else q_start
     kr, vr = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
     _attn_fwd_kernel[(programs, k.shape[-2])](
-        q, k, v, o, lse if lse is not None else o, q_start, seq_lens, tab, s,
+        q, k, v, o, lse if lse is not None else o, q_start, seq_lens if paged else q_start, tab, s,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=q.shape[-1], KV=KV_BLOCK, PAGE=page, PAGED=paged,
@@ -389,7 +392,7 @@ class _VarlenAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cu, scale):
         need_grad = any(ctx.needs_input_grad[:3])
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if need_grad else None
-        o = _forward(q, k, v, cu, cu[1:] - cu[:-1], None, scale, paged=False, lse=lse)
+        o = _forward(q, k, v, cu, None, None, scale, paged=False, lse=lse)
         if need_grad:
             ctx.save_for_backward(q, k, v, o, lse, cu)
             ctx.scale = scale
