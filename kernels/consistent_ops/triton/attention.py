@@ -348,7 +348,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
 
 def _query_chunk(max_len):
     """Tokens per query chunk of the dK/dV kernel: _QCHUNK (few long sequences still fill
-    the GPU), at most 8 chunks (the fp32 partials take 2 x chunks x the size of K)."""
+    the GPU), at most 8 chunks (the partials are 2 x chunks fp32 copies of K)."""
     return max(_QCHUNK, triton.next_power_of_2(triton.cdiv(max_len, 8)))
 
 
