@@ -337,18 +337,27 @@ def probe_attention():
                 print(f"  attention {name} tile {tile}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
 
 
+BWD_SHAPES = ((4096, 4), (16384, 1), (4096, 1))   # S x sequences; 4k x1: the actor's one sequence
+
+
+def _attention_case(s, batch):
+    """Random packed q, k, v, dO of `batch` sequences of s tokens, and the forward's o and lse."""
+    from consistent_ops.triton import attention as ta
+    q, k, v, do = rand(batch * s, HQ, D), rand(batch * s, HKV, D), rand(batch * s, HKV, D), rand(batch * s, HQ, D)
+    cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
+    scale = D ** -0.5
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
+    return q, k, v, do, cu, scale, lse, ta._forward(q, k, v, cu, None, None, scale, False, lse=lse)
+
+
 def probe_attention_bwd():
     """Backward tiles ((dQ rows, keys, warps), (dK/dV rows, keys, warps), stages): fwd+bwd ms at
     S=4k x4, 16k x1 and 4k x1, and whether two backward passes give identical gradients."""
     from consistent_ops.triton import attention as ta
     tiles = (((64, 64, 4), (64, 64, 4), 2), ((64, 64, 4), (64, 128, 8), 2), ((64, 64, 4), (32, 128, 8), 3),
              ((64, 64, 4), (64, 128, 8), 3))
-    for s, batch in ((4096, 4), (16384, 1), (4096, 1)):
-        q, k, v, do = rand(batch * s, HQ, D), rand(batch * s, HKV, D), rand(batch * s, HKV, D), rand(batch * s, HQ, D)
-        cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
-        scale = D ** -0.5
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
-        o = ta._forward(q, k, v, cu, None, None, scale, False, lse=lse)
+    for s, batch in BWD_SHAPES:
+        q, k, v, do, cu, scale, lse, o = _attention_case(s, batch)
         fwd = bench(lambda: ta._forward(q, k, v, cu, None, None, scale, False, lse=lse), rep=100)
         base = ta._backward(q, k, v, o, lse, do, cu, scale)
         for t in tiles:
@@ -380,12 +389,8 @@ def probe_attention_kernels():
     from torch.profiler import ProfilerActivity, profile
 
     from consistent_ops.triton import attention as ta
-    for s, batch in ((4096, 4), (16384, 1), (4096, 1)):
-        q, k, v, do = rand(batch * s, HQ, D), rand(batch * s, HKV, D), rand(batch * s, HKV, D), rand(batch * s, HQ, D)
-        cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
-        scale = D ** -0.5
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
-        o = ta._forward(q, k, v, cu, None, None, scale, False, lse=lse)
+    for s, batch in BWD_SHAPES:
+        q, k, v, do, cu, scale, lse, o = _attention_case(s, batch)
         ta._backward(q, k, v, o, lse, do, cu, scale)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
