@@ -351,25 +351,26 @@ def _attention_case(s, batch):
 
 
 def probe_attention_bwd():
-    """Backward tiles ((dQ rows, keys, warps), (dK/dV rows, keys, warps), stages): fwd+bwd ms at
-    S=4k x4, 16k x1 and 4k x1, and whether two backward passes give identical gradients."""
+    """Backward variants ((dQ warps, stages), (dK/dV rows, keys, warps), stages, dS bulk copies):
+    fwd+bwd ms at S=4k x4, 16k x1 and 4k x1, and whether two backward passes give identical
+    gradients."""
     from consistent_ops.triton import attention as ta
-    tiles = (((64, 64, 4), (64, 64, 4), 2), ((64, 64, 4), (64, 128, 8), 2), ((64, 64, 4), (32, 128, 8), 3),
-             ((64, 64, 4), (64, 128, 8), 3))
+    variants = (((4, 3), (64, 64, 4), 2, True), ((4, 3), (64, 64, 4), 2, False), ((8, 3), (64, 64, 4), 2, True),
+                ((4, 3), (64, 128, 8), 2, True), ((4, 3), (32, 64, 4), 2, True))
     for s, batch in BWD_SHAPES:
         q, k, v, do, cu, scale, lse, o = _attention_case(s, batch)
         fwd = bench(lambda: ta._forward(q, k, v, cu, None, None, scale, False, lse=lse), rep=100)
         base = ta._backward(q, k, v, o, lse, do, cu, scale)
-        for t in tiles:
+        for *t, tma in variants:
             try:
-                g1 = ta._backward(q, k, v, o, lse, do, cu, scale, tiles=t)
-                same = all(torch.equal(a, b) for a, b in zip(g1, ta._backward(q, k, v, o, lse, do, cu, scale,
-                                                                                tiles=t)))
+                run = lambda: ta._backward(q, k, v, o, lse, do, cu, scale, tiles=t, tma=tma)  # noqa: E731
+                g1 = run()
+                same = all(torch.equal(a, b) for a, b in zip(g1, run()))
                 diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(g1, base))
-                ms = bench(lambda: ta._backward(q, k, v, o, lse, do, cu, scale, tiles=t), rep=100)
-                print(f"  attention bwd S={s} x{batch} tiles {t}: bwd {ms:.3f} ms, fwd+bwd {fwd + ms:.3f} ms, "
-                      f"{'deterministic' if same else 'NOT DETERMINISTIC'}, rel. diff vs the default {diff:.1e}",
-                      flush=True)
+                ms = bench(run, rep=100)
+                print(f"  attention bwd S={s} x{batch} tiles {t} dS TMA {tma}: bwd {ms:.3f} ms, fwd+bwd "
+                      f"{fwd + ms:.3f} ms, {'deterministic' if same else 'NOT DETERMINISTIC'}, "
+                      f"rel. diff vs the default {diff:.1e}", flush=True)
             except Exception as e:
                 print(f"  attention bwd S={s} tiles {t}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
 
@@ -384,7 +385,7 @@ def _kernel_stats(fn):
 
 
 def probe_attention_kernels():
-    """Where the attention's time goes: device ms of each kernel (profiler) at S=4k x4, 16k x1
+    """Where the attention's time goes: device ms of each kernel a call (profiler) at S=4k x4, 16k x1
     and 4k x1 (the actor's one sequence), and each kernel's registers, spills, shared memory."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -401,11 +402,12 @@ def probe_attention_kernels():
         mm = 2 * batch * HQ * s * s / 2 * D / 1e9      # one causal matmul's GFLOP
         for e in prof.key_averages():
             if e.device_time_total > 0:
-                ms = e.device_time_total / e.count / 1e3
-                n = 2 if "fwd" in e.key else 3 if "dq_" in e.key else 4 if "dkdv" in e.key else 0
-                print(f"  attention S={s} x{batch} {e.key[:40]:40s} {ms:.3f} ms"
+                ms = e.device_time_total / 5 / 1e3          # a call's total over its launches
+                n = 2 if "fwd" in e.key else 1 if "dq_" in e.key else 4 if "dkdv" in e.key else 0
+                print(f"  attention S={s} x{batch} {e.key[:40]:40s} {ms:.3f} ms in {e.count // 5} launches"
                       + (f" {n * mm / ms:.0f} TFLOP/s ({n} matmuls)" if n else ""), flush=True)
-    for fn in (ta._attn_fwd_kernel, ta._bwd_dq_kernel, ta._bwd_dkdv_kernel, ta._sum_parts_kernel):
+    for fn in (ta._attn_fwd_kernel, ta._bwd_delta_kernel, ta._bwd_dkdv_kernel, ta._bwd_dq_kernel,
+               ta._sum_parts_kernel):
         print(f"  {fn.__name__}: {_kernel_stats(fn)}", flush=True)
 
 

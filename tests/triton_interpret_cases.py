@@ -166,6 +166,60 @@ def test_attention_backward_over_query_chunks(qkv, monkeypatch):
         assert rel(mine, exact) < 2e-2
 
 
+def _grads(q, k, v, lens, g):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    T.attention_varlen(q, k, v, _cu(lens)).backward(g)
+    return [t.grad for t in (q, k, v)]
+
+
+def test_attention_backward_windows_and_uneven_tiles(monkeypatch):
+    """The dS buffer's windows (query tiles launched together) never move a gradient bit:
+    one window == a window per key block's worth of tiles (cutting chunks). G = 5 query heads per KV head (12 tokens a tile, which
+    does not divide the chunk or the key block): accurate against float64."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "_QCHUNK", 32)
+    lens = [70, 3, 130]
+    q, k, v = rand(sum(lens), 10, D, seed=11), rand(sum(lens), 2, D, seed=12), rand(sum(lens), 2, D, seed=13)
+    g = rand(*q.shape, seed=14)
+    one = _grads(q, k, v, lens, g)
+    monkeypatch.setattr(ta, "_DS_BYTES", 1)
+    assert len(ta._ds_windows(sum(lens), 3, 12, 64, 2, 1, 1)) > 1
+    assert all(torch.equal(a, b) for a, b in zip(one, _grads(q, k, v, lens, g)))
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    R.attention_varlen(q64, k64, v64, _cu(lens)).backward(g.double())
+    for mine, exact in zip(one, (q64.grad, k64.grad, v64.grad)):
+        assert rel(mine, exact) < 2e-2
+
+
+def _ds_blocks(lens, u0, u1, tpt, keys):
+    """The dS blocks a window uses, counted as _ds_layout lays them out."""
+    total = 0
+    for n in lens:
+        t_end = min(-(-n // tpt), u1)
+        if t_end > u0:
+            total += (t_end - u0) * -(-min(t_end * tpt, n) // keys)
+    return total
+
+
+def test_ds_window_bounds_hold_for_any_packing():
+    """The buffer and grids are sized from shapes: their bounds hold for random packings
+    (many short sequences, one long one, empty ones) of the same token count."""
+    from consistent_ops.triton import attention as ta
+    gen = np.random.default_rng(0)
+    for t, s, tpt, keys, qt in ((4096, 1, 8, 64, 128), (5000, 7, 12, 64, 85), (3000, 40, 32, 64, 32)):
+        windows = ta._ds_windows(t, s, tpt, keys, qt, 1, 1 << 10)
+        assert len(windows) > 1 and windows[0][0] == 0
+        for _ in range(50):
+            cuts = np.sort(gen.integers(0, t + 1, s - 1)) if gen.random() < 0.8 else [0] * (s - 1)
+            lens = np.diff([0, *cuts, t]).tolist()
+            for u0, u1, blocks, kv_programs, q_programs in windows:
+                assert _ds_blocks(lens, u0, u1, tpt, keys) <= blocks
+                assert sum(-(-min(n, u1 * tpt) // keys) for n in lens if -(-n // tpt) > u0) <= kv_programs
+                assert sum(max(min(-(-n // tpt), u1) - u0, 0) for n in lens) <= q_programs
+            covered = {u for w in windows for u in range(w[0], w[1])}
+            assert all(u in covered for n in lens for u in range(-(-n // tpt)))
+
+
 # ---------------------------------------------------------------- linear, norms, log-probs
 def test_linear_rows_and_accuracy():
     x, w, b = rand(200, 256, seed=4), rand(96, 256, scale=0.05, seed=5), rand(96, seed=6)

@@ -16,9 +16,12 @@ prefill/decode batch is one launch of about T / tile + S programs and captures i
 graph. The backward (training only) recomputes p from the saved base-2 log-sum-exp with the
 same masks; dK/dV are accumulated by the program that owns the key block and a chunk of
 queries, over its query tiles in ascending order, the chunks' fp32 partials then added in
-ascending chunk order; dQ by the program that owns the query tile, over key blocks in
-ascending order: no atomics, so gradients are run-to-run deterministic.
+ascending chunk order; that program also stores each pair's dS (bf16), and dQ is one matmul
+over them by the program that owns the query tile, key blocks in ascending order: 5 matmuls
+(FlashAttention's count) with no atomics, so gradients are run-to-run deterministic. The dS
+buffer is bounded: chunks run in windows whose dS fits _DS_BYTES (_ds_windows).
 """
+import functools
 import math
 
 import torch
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..contract import KV_BLOCK
+from . import gemm
 from .common import EXACT
 
 # Forward tile (rows, warps), ONE for every path. On the H200 it was also the fastest for
@@ -33,14 +37,24 @@ from .common import EXACT
 # 128/8 is faster for a 16k varlen prompt (4.95 vs 5.37 ms), but one tile keeps every path's
 # instructions the same by construction.
 _TILE, _STAGES = (64, 4), 3
-# Backward tiles (rows, keys, warps): gradients need determinism, not the forward's tiling.
-# Sized so that no accumulator spills (checked with the compiler's resource report); dK/dV
-# over 64-row query tiles: 4.66 ms vs 5.05 for 32 rows at S=4k x4 (probe_attention_bwd).
-_BWD_DQ, _BWD_DKDV, _BWD_STAGES = (64, 64, 4), (64, 64, 4), 2
+# Backward: the dK/dV kernel (tile: rows, keys, warps) walks every (query tile, key block)
+# pair once and also stores the pair's dS (bf16); dQ is then one matmul (dS K) over those
+# blocks in key order: 5 matmuls, no atomics, deterministic. dK/dV (64, 64, 4) holds 255
+# registers and spills 88 bytes (compiler report), the fastest of the tiles probed
+# (probe_attention_bwd); the dQ kernel (_BWD_DQ: warps, stages) 96 registers, no spills.
+_BWD_DKDV, _BWD_STAGES, _BWD_DQ = (64, 64, 4), 2, (4, 3)
 # dK/dV programs walk the query tiles of one chunk of at least _QCHUNK tokens each (fp32
 # partials, added in chunk order): one 4k sequence's backward 1.11 ms vs 1.53 unsplit, four
 # 4k sequences 4.21 vs 4.69 (H200, probe_attention_kernels).
 _QCHUNK = 1024
+# The dS blocks of the query tiles launched together (a window) take at most this much
+# memory, bounded from shapes for any packing (2 bytes a score; a window holds at least one
+# key block's worth of tiles, so this is exceeded only by a window of a single step).
+_DS_BYTES = 2 << 30
+# dS moves by bulk copies (TMA) on Hopper: bwd 3.96 vs 4.30 ms with pointer stores at S=4k x4
+# (H200, probe_attention_bwd). The dK/dV partials stay pointer stores: their 32 KB staging
+# buffer leaves room for one program an SM (5.88 ms).
+_DS_TMA = True
 # The online softmax runs in base 2 with the logit scale folded into one FMA (two fp32
 # operations fewer per score than exp(s * scale - m)): on the H200 the forward got 11-14 %
 # faster (probe_attention). qk_scale = scale * log2(e) in fp64, rounded to fp32 once.
@@ -113,19 +127,31 @@ def _tile_rows(tile, n_new, ROWS: tl.constexpr, G: tl.constexpr, TPT: tl.constex
 
 
 @triton.jit
+def _seq_lens(Starts, S, SB: tl.constexpr):
+    """Lanes 0 .. SB-1 and the token counts of sequences 0 .. S-1 (0 past S)."""
+    i = tl.arange(0, SB)
+    inb = i < S
+    return i, tl.load(Starts + i + 1, mask=inb, other=0) - tl.load(Starts + i, mask=inb, other=0)
+
+
+@triton.jit
+def _flat_index(p, i, units):
+    """(lane, index in lane) of unit p when the units of lanes i are numbered one after
+    another, lane 0's first; lane >= the lane count: p is past the last unit."""
+    end = tl.cumsum(units, 0)
+    seq = tl.sum((end <= p).to(tl.int32), 0)
+    return seq, p - tl.sum(tl.where(i == seq, end - units, 0), 0)
+
+
+@triton.jit
 def _flat_tile(p, Starts, S, UNIT: tl.constexpr, SB: tl.constexpr):
     """(sequence, tile) of program p when the tiles of UNIT tokens of every sequence are
     numbered one after another, sequence 0's first. The grid is sized by shapes alone
     (cdiv(T, UNIT) + S bounds the tiles of any batch of T tokens in S sequences), so a
     mixed batch launches no program per (sequence, longest query) pair, and nothing is
     read back on the host; seq >= S: p is past the last tile. SB: a power of two >= S."""
-    i = tl.arange(0, SB)
-    inb = i < S
-    lens = tl.load(Starts + i + 1, mask=inb, other=0) - tl.load(Starts + i, mask=inb, other=0)
-    tiles = (lens + UNIT - 1) // UNIT
-    end = tl.cumsum(tiles, 0)
-    seq = tl.sum((end <= p).to(tl.int32), 0)
-    return seq, p - tl.sum(tl.where(i == seq, end - tiles, 0), 0)
+    i, lens = _seq_lens(Starts, S, SB)
+    return _flat_index(p, i, (lens + UNIT - 1) // UNIT)
 
 
 @triton.jit
@@ -170,63 +196,54 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
 
 
 @triton.jit
-def _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, qk_scale,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
-    d = tl.arange(0, D)
-    kpos = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    krow = (s0 + tl.minimum(kpos, n - 1)).to(tl.int64)
-    kptr = krow[:, None] * stride_kt + kvh * D + d[None, :]
-    k = tl.load(K + kptr)
-    v = tl.load(V + kptr)
-    p = tl.exp2(tl.fma(tl.dot(q, tl.trans(k)), qk_scale, -lse[:, None]))     # base 2, as the forward
-    if MASK:
-        p = tl.where((kpos[None, :] <= tok[:, None]) & (kpos[None, :] < n), p, 0.0)
-    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq)
+def _bwd_delta_kernel(O, DO, Delta, rows_total, D: tl.constexpr, BLOCK: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32 for BLOCK (token, head) rows (o, dO contiguous)."""
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ptr = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    inb = r < rows_total
+    do = tl.load(DO + ptr, mask=inb[:, None], other=0.0)
+    o = tl.load(O + ptr, mask=inb[:, None], other=0.0)
+    tl.store(Delta + r, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=inb)
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, Delta, DQ, Cu, S, stride_t, stride_kt, scale, qk_scale,
-                   G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HQ: tl.constexpr, SB: tl.constexpr):
-    """dQ for one query tile: key blocks walked from 0 in order into one accumulator.
-    Also delta = rowsum(dO * O) in fp32 for its rows, stored for the dK/dV kernel."""
-    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), Cu, S, TPT, SB)
-    if seq >= S:
-        return
-    kvh = tl.program_id(1)
-    s0 = tl.load(Cu + seq)
-    n = tl.load(Cu + seq + 1) - s0
-    tok, hg, valid = _tile_rows(tile, n, ROWS, G, TPT)
-    head = kvh * G + hg
-    d = tl.arange(0, D)
-    qrow = (s0 + tok).to(tl.int64)
-    qptr = qrow[:, None] * stride_t + head[:, None] * D + d[None, :]
-    q = tl.load(Q + qptr, mask=valid[:, None], other=0.0)
-    do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
-    lse = tl.load(LSE + qrow * HQ + head, mask=valid, other=0.0)
-    o = tl.load(O + qptr, mask=valid[:, None], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    tl.store(Delta + qrow * HQ + head, delta, mask=valid)
-    dq = tl.zeros([ROWS, D], tl.float32)
-    first = tile * TPT
-    last = tl.minimum(first + TPT - 1, n - 1)
-    for j in range(0, (first + 1) // BLOCK_N):             # keys every row sees: no mask
-        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, qk_scale, D, BLOCK_N, False)
-    for j in range((first + 1) // BLOCK_N, last // BLOCK_N + 1):
-        dq = _bwd_dq_block(dq, q, do, lse, delta, K, V, s0, n, kvh, j, tok, stride_kt, qk_scale, D, BLOCK_N, True)
-    tl.store(DQ + qptr, (dq * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
+def _ds_layout(seq, i, lens, u0, u1, TPT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the dS blocks of query tiles u0 <= t < u1 (of every sequence) lie: a sequence's
+    tiles take W consecutive blocks each (W: the key blocks its last tile there sees), the
+    sequences one after another. Returns (first block of sequence seq, its W)."""
+    t_end = tl.minimum((lens + TPT - 1) // TPT, u1)
+    w = (tl.minimum(t_end * TPT, lens) + BLOCK_N - 1) // BLOCK_N
+    blocks = tl.where(t_end > u0, (t_end - u0) * w, 0).to(tl.int64)
+    return tl.sum(tl.where(i < seq, blocks, 0), 0), tl.sum(tl.where(i == seq, w, 0), 0)
 
 
 @triton.jit
-def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
+def _ds_store(DS, block, dst, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    if TMA:  # CUDA-ONLY: DS is a host TensorDescriptor over [blocks * BLOCK_N, ROWS] (bulk store)
+        DS.store([(block * BLOCK_N).to(tl.int32), 0], dst)
+    else:
+        off = block.to(tl.int64) * (BLOCK_N * ROWS)
+        tl.store(DS + off + tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :], dst)
+
+
+@triton.jit
+def _ds_load(DS, block, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    if TMA:  # CUDA-ONLY, as _ds_store
+        return DS.load([(block * BLOCK_N).to(tl.int32), 0])
+    else:
+        off = block.to(tl.int64) * (BLOCK_N * ROWS)
+        return tl.load(DS + off + tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :])
+
+
+@triton.jit
+def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_block, s0, n, kvh, t, kpos, stride_t, qk_scale,
                    G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   HQ: tl.constexpr, MASK: tl.constexpr):
+                   HQ: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
     tok, hg, valid = _tile_rows(t, n, ROWS, G, TPT)
     head = kvh * G + hg
     qrow = (s0 + tok).to(tl.int64)
     qptr = qrow[:, None] * stride_t + head[:, None] * D + tl.arange(0, D)[None, :]
-    # padding rows load q = do = 0 and lse = delta = 0: they add exact zeros
+    # padding rows load q = do = 0 and lse = delta = 0: their dS is an exact 0
     q = tl.load(Q + qptr, mask=valid[:, None], other=0.0)
     do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
     lse = tl.load(LSE + qrow * HQ + head, mask=valid, other=0.0)
@@ -235,56 +252,106 @@ def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_
     if MASK:
         pt = tl.where(kpos[:, None] <= tok[None, :], pt, 0.0)
     dv = tl.dot(pt.to(do.dtype), do, dv)
-    dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
-    dk = tl.dot(dst.to(q.dtype), q, dk)
+    dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+    # this (tile, key block)'s dS, for the dQ kernel: exact 0 where a row cannot see a key
+    _ds_store(DS, ds_block, dst, ROWS, BLOCK_N, TMA)
+    dk = tl.dot(dst, q, dk)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, Cu, S, stride_t, stride_kt, stride_part, scale, qk_scale,
-                     G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, HQ: tl.constexpr, QCHUNK: tl.constexpr, SB: tl.constexpr):
-    """fp32 partial dK, dV of one key block over the query tiles of one chunk of QCHUNK
-    tokens (tiles walked in ascending order, no atomics), stored at Part[0 / 1, chunk];
-    _sum_parts_kernel adds a block's chunks in ascending order. Chunks split the long
-    walks of early key blocks into more programs (few long sequences fill the GPU)."""
-    seq, blk = _flat_tile(tl.program_id(0), Cu, S, BLOCK_N, SB)
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, stride_t, stride_kt, part_blocks,
+                     ds_blocks, qk_scale, G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr,
+                     D: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr, QT: tl.constexpr, SB: tl.constexpr,
+                     TMA: tl.constexpr):
+    """fp32 partial dK, dV of one key block over the query tiles of one chunk of QT tiles
+    (tiles walked in ascending order, no atomics) at Part[0 / 1, chunk], and the pairs' dS
+    blocks for the dQ kernel. One launch covers the tiles u0 <= t < u1 (a window: its dS
+    blocks fit the buffer); a chunk cut by a window boundary continues the accumulation
+    its earlier window stored (same order, same bits). _sum_parts_kernel adds a block's
+    chunks in ascending order. Chunks split the long walks of early key blocks into more
+    programs (few long sequences still fill the GPU)."""
+    i, lens = _seq_lens(Cu, S, SB)
+    seen = tl.where((lens + TPT - 1) // TPT > u0, (tl.minimum(lens, u1 * TPT) + BLOCK_N - 1) // BLOCK_N, 0)
+    seq, blk = _flat_index(tl.program_id(0), i, seen)
     if seq >= S:
         return
-    c = tl.program_id(1)
+    c = u0 // QT + tl.program_id(1)
     kvh = tl.program_id(2)
     s0 = tl.load(Cu + seq)
     n = tl.load(Cu + seq + 1) - s0
     n0 = blk * BLOCK_N
-    if (c + 1) * QCHUNK <= n0 or c * QCHUNK >= n:   # no query of this chunk sees these keys
+    first = tl.maximum(n0 // TPT, c * QT)                        # the chunk's first tile seeing these keys
+    t_lo = tl.maximum(first, u0)
+    t_hi = tl.minimum(tl.minimum(tl.cdiv(n, TPT), (c + 1) * QT), u1)
+    if t_lo >= t_hi:                                              # no query of the window sees them
         return
+    ds_seq, w = _ds_layout(seq, i, lens, u0, u1, TPT, BLOCK_N)
+    ds_blk = kvh * ds_blocks + ds_seq + blk                     # this key block's dS, the window's first tile
     d = tl.arange(0, D)
     kpos = n0 + tl.arange(0, BLOCK_N)
     kin = kpos < n
     kptr = (s0 + kpos).to(tl.int64)[:, None] * stride_kt + kvh * D + d[None, :]
     k = tl.load(K + kptr, mask=kin[:, None], other=0.0)
     v = tl.load(V + kptr, mask=kin[:, None], other=0.0)
+    # Part [dK / dV, chunk, kvh, flat key block, BLOCK_N, D]: whole blocks, so no masks and
+    # no [BLOCK_N, D] pointer tensor kept alive across the walk (registers)
+    fb = tl.sum(tl.where(i < seq, (lens + BLOCK_N - 1) // BLOCK_N, 0), 0) + blk
+    pblk = Part + ((c * tl.num_programs(2) + kvh).to(tl.int64) * part_blocks + fb) * (BLOCK_N * D)
+    dv_off = chunks.to(tl.int64) * tl.num_programs(2) * part_blocks * (BLOCK_N * D)
+    poff = tl.arange(0, BLOCK_N)[:, None] * D + d[None, :]
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
-    t_lo = tl.maximum(n0 // TPT, c * (QCHUNK // TPT))
-    t_hi = tl.minimum(tl.cdiv(n, TPT), (c + 1) * (QCHUNK // TPT))
+    if first < u0:                                                # an earlier window began this chunk
+        dk = tl.load(pblk + poff)
+        dv = tl.load(pblk + dv_off + poff)
     t_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), t_hi)    # first tile seeing all keys
     for t in range(t_lo, t_full):
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
-                                G, TPT, ROWS, D, HQ, True)
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
+                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA)
     for t in range(tl.maximum(t_full, t_lo), t_hi):
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, s0, n, kvh, t, kpos, stride_t, qk_scale,
-                                G, TPT, ROWS, D, HQ, False)
-    pptr = Part + c.to(tl.int64) * stride_part + kptr
-    tl.store(pptr, dk * scale, mask=kin[:, None])
-    tl.store(pptr + tl.num_programs(1).to(tl.int64) * stride_part, dv, mask=kin[:, None])
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
+                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, False, TMA)
+    tl.store(pblk + poff, dk)
+    tl.store(pblk + dv_off + poff, dv)
 
 
 @triton.jit
-def _sum_parts_kernel(Part, Out, Cu, S, chunks, stride_kt, stride_part,
-                      D: tl.constexpr, BLOCK_N: tl.constexpr, QCHUNK: tl.constexpr, SB: tl.constexpr):
-    """dK (axis 2 = 0) or dV (1) of one key block: the partials of the chunks that see it
-    added in ascending chunk order, rounded once to the output dtype (deterministic)."""
+def _bwd_dq_kernel(DS, K, DQ, Cu, S, u0, u1, stride_t, stride_kt, ds_blocks, scale,
+                   G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr):
+    """dQ of one query tile u0 <= t < u1 (the window): its dS blocks (written by the dK/dV
+    kernel) times K, key blocks walked from 0 in order into one fp32 accumulator."""
+    i, lens = _seq_lens(Cu, S, SB)
+    tiles = tl.maximum(tl.minimum((lens + TPT - 1) // TPT, u1) - u0, 0)
+    seq, w_t = _flat_index(tl.num_programs(0) - 1 - tl.program_id(0), i, tiles)   # long walks first
+    if seq >= S:
+        return
+    kvh = tl.program_id(1)
+    t = u0 + w_t
+    s0 = tl.load(Cu + seq)
+    n = tl.load(Cu + seq + 1) - s0
+    tok, hg, valid = _tile_rows(t, n, ROWS, G, TPT)
+    ds_seq, w = _ds_layout(seq, i, lens, u0, u1, TPT, BLOCK_N)
+    ds_blk = kvh * ds_blocks + ds_seq + w_t * w                # this tile's first dS block
+    kk = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    dq = tl.zeros([ROWS, D], tl.float32)
+    for j in range(0, tl.cdiv(tl.minimum((t + 1) * TPT, n), BLOCK_N)):
+        dst = _ds_load(DS, ds_blk + j, ROWS, BLOCK_N, TMA)                     # [keys, rows]
+        krow = (s0 + tl.minimum(j * BLOCK_N + kk, n - 1)).to(tl.int64)
+        k = tl.load(K + krow[:, None] * stride_kt + kvh * D + d[None, :])
+        dq = tl.dot(tl.trans(dst), k, dq)
+    head = kvh * G + hg
+    qptr = (s0 + tok).to(tl.int64)[:, None] * stride_t + head[:, None] * D + d[None, :]
+    tl.store(DQ + qptr, (dq * scale).to(DQ.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _sum_parts_kernel(Part, Out, Cu, S, chunks, stride_kt, stride_out, scale, TPT: tl.constexpr,
+                      D: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, SB: tl.constexpr):
+    """dK (axis 2 = 0, times the logit scale) or dV (1) of one key block: the partials of the
+    chunks that see it added in ascending chunk order, rounded once to the output dtype."""
     seq, blk = _flat_tile(tl.program_id(0), Cu, S, BLOCK_N, SB)
     if seq >= S:
         return
@@ -297,9 +364,11 @@ def _sum_parts_kernel(Part, Out, Cu, S, chunks, stride_kt, stride_part,
     kin = kpos < n
     kptr = (s0 + kpos).to(tl.int64)[:, None] * stride_kt + kvh * D + tl.arange(0, D)[None, :]
     acc = tl.zeros([BLOCK_N, D], tl.float32)
-    for c in range(n0 // QCHUNK, tl.cdiv(n, QCHUNK)):
-        acc += tl.load(Part + (j * chunks + c) * stride_part + kptr, mask=kin[:, None], other=0.0)
-    tl.store(Out + j * stride_part + kptr, acc.to(Out.dtype.element_ty), mask=kin[:, None])
+    for c in range((n0 // TPT) // QT, tl.cdiv(tl.cdiv(n, TPT), QT)):
+        pblk = ((j * chunks + c) * tl.num_programs(1) + kvh) * tl.num_programs(0) + tl.program_id(0)
+        acc += tl.load(Part + pblk * (BLOCK_N * D) + tl.arange(0, BLOCK_N)[:, None] * D + tl.arange(0, D)[None, :])
+    acc = acc * tl.where(j == 0, scale, 1.0)
+    tl.store(Out + j * stride_out + kptr, acc.to(Out.dtype.element_ty), mask=kin[:, None])
 
 
 def _check(q, hkv):
@@ -352,38 +421,73 @@ def _query_chunk(max_len):
     return max(_QCHUNK, triton.next_power_of_2(triton.cdiv(max_len, 8)))
 
 
-def _backward(q, k, v, o, lse, do, cu, scale, tiles=None):
-    """dQ, dK, dV. tiles: (dQ tile, dK/dV tile, stages) instead of the backward's (probes only)."""
-    dq_tile, dkdv_tile, stages = tiles or (_BWD_DQ, _BWD_DKDV, _BWD_STAGES)
+@functools.lru_cache(maxsize=64)
+def _ds_windows(t, s, tpt, keys, qt, block_bytes, budget):
+    """Query-tile windows [u0, u1) launched one after another, each with bounds (dS blocks,
+    dK/dV programs, dQ programs) that hold for ANY packing of t tokens into s sequences: the
+    grids and the dS buffer come from shapes, never from device data. A window grows by key
+    blocks' worth of tiles while its dS fits `budget` bytes (at least one step)."""
+    def bounds(u0, u1):
+        span = min(t, u1 * tpt)                      # tokens of a sequence the window's tiles see
+        m = s if u0 == 0 else min(s, t // (u0 * tpt + 1))     # sequences that reach the window
+        # per sequence: tiles x key blocks <= (x/tpt + 1)(x/keys + 1), x = its tokens up to span
+        loose = -(-t * span // (tpt * keys)) + triton.cdiv(t, tpt) + triton.cdiv(t, keys) + s
+        return (min(m * (u1 - u0) * triton.cdiv(span, keys), loose),
+                min(m * triton.cdiv(span, keys), triton.cdiv(t, keys) + s),
+                min(m * (u1 - u0), triton.cdiv(t, tpt) + s))
+    tiles, step = triton.cdiv(t, tpt), max(1, keys // tpt)
+    out, u0 = [], 0
+    while u0 < tiles:
+        u1 = min(u0 + step, tiles)
+        while u1 < tiles and bounds(u0, min(u1 + step, tiles))[0] * block_bytes <= budget:
+            u1 = min(u1 + step, tiles)
+        if bounds(u0, u1)[0]:
+            out.append((u0, u1, *bounds(u0, u1)))
+        u0 = u1
+    return tuple(out)
+
+
+def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
+    """dQ, dK, dV. tiles: (dQ (warps, stages), dK/dV (rows, keys, warps), stages) instead of
+    the backward's; tma: bulk copies of dS on or off (probes only)."""
+    (dq_warps, dq_stages), (rows, keys, warps), stages = tiles or (_BWD_DQ, _BWD_DKDV, _BWD_STAGES)
     (t, hq, d), hkv = q.shape, k.shape[1]
     g = hq // hkv
     do = do.contiguous()
-    if o.stride() != q.stride() or do.stride() != q.stride():
-        raise ValueError("o and dO must have q's layout")
+    if not (q.is_contiguous() and o.is_contiguous()):
+        raise ValueError("q and o must be contiguous [T, Hq, D]")
     if k.stride() != v.stride() or not k.is_contiguous():
         raise ValueError("k and v must be contiguous [T, Hkv, D]")
-    if g > min(dq_tile[0], dkdv_tile[0]):
-        raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {dkdv_tile[0]}")
-    delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)   # written by the dQ kernel
-    dq = torch.empty_like(q)
+    if g > rows:
+        raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {rows}")
     s = len(cu) - 1
-    rows, keys, warps = dq_tile
-    programs, sb = _grid_tiles(t, s, rows // g)
-    _bwd_dq_kernel[(programs, hkv)](
-        q, k, v, o, do, lse, delta, dq, cu, s, q.stride(0), k.stride(0), scale, scale * _LOG2E,
-        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, SB=sb, num_warps=warps, num_stages=stages, **EXACT)
-    rows, keys, warps = dkdv_tile
-    qchunk = _query_chunk(t)          # from shapes (any sequence has at most T tokens): capturable
-    chunks = triton.cdiv(t, qchunk)
-    part = torch.empty((2, chunks, *k.shape), dtype=torch.float32, device=k.device)
-    programs, sb = _grid_tiles(t, s, keys)
-    _bwd_dkdv_kernel[(programs, chunks, hkv)](
-        q, k, v, do, lse, delta, part, cu, s, q.stride(0), k.stride(0), k.numel(), scale, scale * _LOG2E,
-        G=g, TPT=rows // g, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, QCHUNK=qchunk, SB=sb,
-        num_warps=warps, num_stages=stages, **EXACT)
+    tpt = rows // g
+    qt = _query_chunk(t) // tpt                  # query tiles a chunk
+    chunks = triton.cdiv(triton.cdiv(t, tpt), qt)
+    delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    _bwd_delta_kernel[(triton.cdiv(t * hq, 64),)](o, do, delta, t * hq, D=d, BLOCK=64, num_warps=4)
+    windows = _ds_windows(t, s, tpt, keys, qt, keys * rows * q.element_size() * hkv, _DS_BYTES)
+    ds_blocks = max((w[2] for w in windows), default=1)
+    ds = torch.empty((hkv * ds_blocks * keys, rows), dtype=q.dtype, device=q.device)
+    tma = _DS_TMA if tma is None else tma
+    tma = tma and gemm.tma_ready(ds)
+    dsa = gemm.descriptor(ds, [keys, rows]) if tma else ds
+    part_blocks, _ = _grid_tiles(t, s, keys)          # key blocks of every sequence, numbered flat
+    part = torch.empty((2, chunks, hkv, part_blocks, keys, d), dtype=torch.float32, device=k.device)
+    dq = torch.empty_like(q)
+    sb = triton.next_power_of_2(max(s, 32))
+    for u0, u1, _, kv_programs, q_programs in windows:
+        _bwd_dkdv_kernel[(kv_programs, triton.cdiv(u1, qt) - u0 // qt, hkv)](
+            q, k, v, do, lse, delta, part, dsa, cu, s, u0, u1, chunks, q.stride(0), k.stride(0), part_blocks,
+            ds_blocks, scale * _LOG2E, G=g, TPT=tpt, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, QT=qt,
+            SB=sb, TMA=tma, num_warps=warps, num_stages=stages, **EXACT)
+        _bwd_dq_kernel[(q_programs, hkv)](
+            dsa, k, dq, cu, s, u0, u1, q.stride(0), k.stride(0), ds_blocks, scale,
+            G=g, TPT=tpt, ROWS=rows, D=d, BLOCK_N=keys, SB=sb, TMA=tma, num_warps=dq_warps,
+            num_stages=dq_stages, **EXACT)
     dkv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
-    _sum_parts_kernel[(programs, hkv, 2)](part, dkv, cu, s, chunks, k.stride(0), k.numel(),
-                                          D=d, BLOCK_N=keys, QCHUNK=qchunk, SB=sb, num_warps=4)
+    _sum_parts_kernel[(part_blocks, hkv, 2)](part, dkv, cu, s, chunks, k.stride(0), k.numel(), scale, TPT=tpt,
+                                          D=d, BLOCK_N=keys, QT=qt, SB=sb, num_warps=4)
     return dq, dkv[0], dkv[1]
 
 
