@@ -311,12 +311,11 @@ def probe_linear():
 
 
 def probe_attention():
-    """Forward tiles (rows, warps, stages) of the attention kernel: ms at S=16k (varlen) and a
-    2k chunk at context 8k (paged), and whether their outputs equal the one tile's bit for bit."""
+    """Forward variants (rows, warps, stages, bulk copies of packed K/V) of the attention kernel:
+    ms at S=16k x1 and 4k x4 (varlen) and a 2k chunk at context 8k (paged: pointer loads always),
+    and whether their outputs and log-sum-exps equal the one tile's bit for bit."""
     from consistent_ops.triton import attention as ta
-    s, chunk, ctx = 16384, 2048, 8192
-    q, k, v = rand(s, HQ, D), rand(s, HKV, D), rand(s, HKV, D)
-    cu = torch.tensor([0, s], device=DEV, dtype=torch.int32)
+    chunk, ctx = 2048, 8192
     from harness import PagedKV
     kv = PagedKV(1, (ctx + chunk) // 16 + 8, 16, HKV, D, BF16, DEV)
     kv.k[0].normal_(), kv.v[0].normal_()
@@ -324,15 +323,22 @@ def probe_attention():
     _, _, bt, seq_lens, qsl = kv.plan([(0, chunk)])
     qc = rand(chunk, HQ, D)
     scale = D ** -0.5
-    runs = {"varlen 16k": lambda t: ta._forward(q, k, v, cu, None, None, scale, False, tile=t),
-            "paged 2k@8k": lambda t: ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True, tile=t)}
-    base = {name: run(None) for name, run in runs.items()}
-    for tile in ((64, 4, 3), (64, 4, 2), (128, 8, 3), (128, 8, 2), (128, 4, 2)):
+    runs = {"paged 2k@8k": lambda t, tma: (ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True,
+                                                       tile=t, tma=tma),)}
+    for s, batch in ((16384, 1), (4096, 4)):
+        q, k, v, _, cu, _, lse, _ = _attention_case(s, batch)
+        runs[f"varlen {s // 1024}k x{batch}"] = (
+            lambda t, tma, q=q, k=k, v=v, cu=cu, lse=lse:
+            (ta._forward(q, k, v, cu, None, None, scale, False, lse=lse, tile=t, tma=tma), lse.clone()))
+    base = {name: run(None, False) for name, run in runs.items()}
+    for tile, tma in (((64, 4, 3), False), ((64, 4, 3), True), ((64, 4, 2), True), ((64, 4, 4), True)):
         for name, run in runs.items():
+            if tma and name.startswith("paged"):
+                continue
             try:
-                same = torch.equal(run(tile), base[name])
-                print(f"  attention {name} tile {tile}: {bench(lambda: run(tile), rep=100):.3f} ms bits "
-                      f"{'same' if same else 'DIFF'}", flush=True)
+                same = all(torch.equal(a, b) for a, b in zip(run(tile, tma), base[name]))
+                print(f"  attention {name} tile {tile} K/V TMA {tma}: {bench(lambda: run(tile, tma), rep=100):.3f} "
+                      f"ms bits {'same' if same else 'DIFF'}", flush=True)
             except Exception as e:
                 print(f"  attention {name} tile {tile}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
 
@@ -351,12 +357,14 @@ def _attention_case(s, batch):
 
 
 def probe_attention_bwd():
-    """Backward variants ((dQ warps, stages), (dK/dV rows, keys, warps), stages, dS bulk copies):
+    """Backward variants ((dQ warps, stages), (dK/dV rows, keys, warps), stages, bulk copies of
+    (dS, q and dO)):
     fwd+bwd ms at S=4k x4, 16k x1 and 4k x1, and whether two backward passes give identical
     gradients."""
     from consistent_ops.triton import attention as ta
-    variants = (((4, 3), (64, 64, 4), 2, True), ((4, 3), (64, 64, 4), 2, False), ((8, 3), (64, 64, 4), 2, True),
-                ((4, 3), (64, 128, 8), 2, True), ((4, 3), (32, 64, 4), 2, True))
+    variants = (((4, 3), (64, 64, 4), 2, (True, True)), ((4, 3), (64, 64, 4), 2, (True, False)),
+                ((4, 3), (64, 64, 4), 3, (True, True)), ((4, 3), (64, 128, 8), 2, (True, True)),
+                ((4, 3), (64, 128, 8), 2, (True, False)))
     for s, batch in BWD_SHAPES:
         q, k, v, do, cu, scale, lse, o = _attention_case(s, batch)
         fwd = bench(lambda: ta._forward(q, k, v, cu, None, None, scale, False, lse=lse), rep=100)
@@ -368,7 +376,7 @@ def probe_attention_bwd():
                 same = all(torch.equal(a, b) for a, b in zip(g1, run()))
                 diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(g1, base))
                 ms = bench(run, rep=100)
-                print(f"  attention bwd S={s} x{batch} tiles {t} dS TMA {tma}: bwd {ms:.3f} ms, fwd+bwd "
+                print(f"  attention bwd S={s} x{batch} tiles {t} TMA (dS, q/dO) {tma}: bwd {ms:.3f} ms, fwd+bwd "
                       f"{fwd + ms:.3f} ms, {'deterministic' if same else 'NOT DETERMINISTIC'}, "
                       f"rel. diff vs the default {diff:.1e}", flush=True)
             except Exception as e:

@@ -55,6 +55,9 @@ _DS_BYTES = 2 << 30
 # (H200, probe_attention_bwd). The dK/dV partials stay pointer stores: their 32 KB staging
 # buffer leaves room for one program an SM (5.88 ms).
 _DS_TMA = True
+_QDO_TMA = True
+# Packed (training) K/V by bulk copies in the forward: probe only until measured.
+_FWD_TMA = True
 # The online softmax runs in base 2 with the logit scale folded into one FMA (two fp32
 # operations fewer per score than exp(s * scale - m)): on the H200 the forward got 11-14 %
 # faster (probe_attention). qk_scale = scale * log2(e) in fp64, rounded to fp32 once.
@@ -74,12 +77,27 @@ def _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE: tl.constexpr, P
 
 
 @triton.jit
+def _block_rows(kpos, seq, seq_len, row0, first, col, Table, stride_tab, PAGE: tl.constexpr,
+                PAGED: tl.constexpr, TMA: tl.constexpr):
+    """Where a key block lies: its storage rows (_key_rows), or for bulk copies of packed
+    K/V the (row, column) of its first element (rows past the sequence are masked later)."""
+    if TMA:
+        return (row0 + first).to(tl.int32), col
+    else:
+        return _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
+
+
+@triton.jit
 def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len, qk_scale,
-                  D: tl.constexpr, MASK: tl.constexpr):
+                  D: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
     """One KV block of the contract's online softmax (base 2), in its order m, a, p, l, acc."""
-    d = tl.arange(0, D)
-    k = tl.load(K + krow[:, None] * stride_k + d[None, :])
-    v = tl.load(V + krow[:, None] * stride_v + d[None, :])
+    if TMA:  # CUDA-ONLY, packed K/V: host TensorDescriptors [T, Hkv * D]; krow = (first row, column)
+        k = K.load([krow[0], krow[1]])
+        v = V.load([krow[0], krow[1]])
+    else:
+        d = tl.arange(0, D)
+        k = tl.load(K + krow[:, None] * stride_k + d[None, :])
+        v = tl.load(V + krow[:, None] * stride_v + d[None, :])
     qk = tl.dot(q, tl.trans(k))                                      # fp32 [rows, KV_BLOCK]
     if MASK:  # causal and end-of-sequence mask (only diagonal/tail blocks need it)
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seq_len)
@@ -94,8 +112,8 @@ def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_
 
 @triton.jit
 def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
-                 Table, stride_tab, qk_scale, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
-                 PAGE: tl.constexpr, PAGED: tl.constexpr):
+                 Table, stride_tab, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
+                 PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
     """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
     lie in [first_pos, last_pos]. Returns the unnormalised acc, the row max m and sum l."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -106,14 +124,14 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
     n_blocks = last_pos // KV + 1       # later blocks are invisible to every row of the tile
     for j in range(0, n_full):
         kpos = j * KV + offs
-        krow = _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
+        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, PAGE, PAGED, TMA)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
-                                  qk_scale, D, False)
+                                  qk_scale, D, False, TMA)
     for j in range(n_full, n_blocks):
         kpos = j * KV + offs
-        krow = _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
+        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, PAGE, PAGED, TMA)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
-                                  qk_scale, D, True)
+                                  qk_scale, D, True, TMA)
     return acc, m, l
 
 
@@ -160,7 +178,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
                      stride_ot, stride_oh, stride_tab, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
-                     SB: tl.constexpr):
+                     SB: tl.constexpr, TMA: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
     seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
     if seq >= S:
@@ -184,9 +202,13 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
     # 3. the key walk (shared by every path)
     first_pos = ctx + tile * TPT
     last_pos = tl.minimum(first_pos + TPT - 1, seq_len - 1)
-    acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos,
-                             K + kvh * stride_kh, V + kvh * stride_vh, stride_k, stride_v,
-                             Table, stride_tab, qk_scale, ROWS, D, KV, PAGE, PAGED)
+    if TMA:
+        Kh, Vh = K, V
+    else:
+        Kh, Vh = K + kvh * stride_kh, V + kvh * stride_vh
+    acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
+                             stride_k, stride_v, Table, stride_tab, qk_scale, kvh * D, ROWS, D, KV,
+                             PAGE, PAGED, TMA)
     # 4. out = acc / l (IEEE division), rounded to the input dtype
     out = tl.div_rn(acc, l[:, None])
     tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -238,19 +260,27 @@ def _ds_load(DS, block, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.const
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_block, s0, n, kvh, t, kpos, stride_t, qk_scale,
                    G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   HQ: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr):
+                   HQ: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, TMA: tl.constexpr,
+                   QDO_TMA: tl.constexpr):
     tok, hg, valid = _tile_rows(t, n, ROWS, G, TPT)
     head = kvh * G + hg
     qrow = (s0 + tok).to(tl.int64)
-    qptr = qrow[:, None] * stride_t + head[:, None] * D + tl.arange(0, D)[None, :]
-    # padding rows load q = do = 0 and lse = delta = 0: their dS is an exact 0
-    q = tl.load(Q + qptr, mask=valid[:, None], other=0.0)
-    do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
+    if QDO_TMA:  # CUDA-ONLY: [T, Hq, D] descriptors, box [TPT, G, D]: rows past n hold other
+        # tokens (finite) or zeros; the mask below gives them p = 0, so their dS is an exact 0
+        q = Q.load([(s0 + t * TPT).to(tl.int32), kvh * G, 0]).reshape(ROWS, D)
+        do = DO.load([(s0 + t * TPT).to(tl.int32), kvh * G, 0]).reshape(ROWS, D)
+    else:        # padding rows load q = do = 0: their dS is an exact 0
+        qptr = qrow[:, None] * stride_t + head[:, None] * D + tl.arange(0, D)[None, :]
+        q = tl.load(Q + qptr, mask=valid[:, None], other=0.0)
+        do = tl.load(DO + qptr, mask=valid[:, None], other=0.0)
     lse = tl.load(LSE + qrow * HQ + head, mask=valid, other=0.0)
     delta = tl.load(Delta + qrow * HQ + head, mask=valid, other=0.0)
     pt = tl.exp2(tl.fma(tl.dot(k, tl.trans(q)), qk_scale, -lse[None, :]))   # [keys, rows]
-    if MASK:
-        pt = tl.where(kpos[:, None] <= tok[None, :], pt, 0.0)
+    if MASK:  # causal, and for bulk-copied q/dO rows past the sequence (a partial last tile)
+        if QDO_TMA:
+            pt = tl.where((kpos[:, None] <= tok[None, :]) & valid[None, :], pt, 0.0)
+        else:
+            pt = tl.where(kpos[:, None] <= tok[None, :], pt, 0.0)
     dv = tl.dot(pt.to(do.dtype), do, dv)
     dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
     # this (tile, key block)'s dS, for the dQ kernel: exact 0 where a row cannot see a key
@@ -263,7 +293,7 @@ def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_block, s0, n, kvh, t,
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, stride_t, stride_kt, part_blocks,
                      ds_blocks, qk_scale, G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr, QT: tl.constexpr, SB: tl.constexpr,
-                     TMA: tl.constexpr):
+                     TMA: tl.constexpr, QDO_TMA: tl.constexpr):
     """fp32 partial dK, dV of one key block over the query tiles of one chunk of QT tiles
     (tiles walked in ascending order, no atomics) at Part[0 / 1, chunk], and the pairs' dS
     blocks for the dQ kernel. One launch covers the tiles u0 <= t < u1 (a window: its dS
@@ -305,13 +335,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     if first < u0:                                                # an earlier window began this chunk
         dk = tl.load(pblk + poff)
         dv = tl.load(pblk + dv_off + poff)
-    t_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), t_hi)    # first tile seeing all keys
-    for t in range(t_lo, t_full):
+    # tiles [t_lo, t_mid) see part of the keys, [t_mid, t_end) all of them; with bulk-copied
+    # q/dO a partial last tile of the sequence (rows past n) is walked with the mask too
+    t_mid = tl.maximum(tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), t_hi), t_lo)
+    t_end = tl.maximum(tl.minimum(n // TPT, t_hi), t_mid) if QDO_TMA else t_hi
+    for t in range(t_lo, t_mid):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
-                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA)
-    for t in range(tl.maximum(t_full, t_lo), t_hi):
+                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
+    for t in range(t_mid, t_end):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
-                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, False, TMA)
+                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, False, TMA, QDO_TMA)
+    for t in range(t_end, t_hi):
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
+                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
     tl.store(pblk + poff, dk)
     tl.store(pblk + dv_off + poff, dv)
 
@@ -387,9 +423,10 @@ def _grid_tiles(t, s, unit):
     return triton.cdiv(t, unit) + s, triton.next_power_of_2(max(s, 32))
 
 
-def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None):
+def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
-    [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile (probes only)."""
+    [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
+    copies of packed K/V on or off (probes only)."""
     g = _check(q, k.shape[-2])
     rows, warps, stages = tile or (*_TILE, _STAGES)
     if g > rows:
@@ -406,12 +443,16 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     programs, sb = _grid_tiles(q.shape[0], s, tpt)
     tab = table if paged else q_start
     kr, vr = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
+    d = q.shape[-1]
+    tma = not paged and (_FWD_TMA if tma is None else tma) and k.is_contiguous() and v.is_contiguous() \
+        and gemm.tma_ready(k.view(k.shape[0], -1), v.view(v.shape[0], -1))
+    ka, va = ((gemm.descriptor(c.view(c.shape[0], -1), [KV_BLOCK, d]) for c in (k, v)) if tma else (k, v))
     _attn_fwd_kernel[(programs, k.shape[-2])](
-        q, k, v, o, lse if lse is not None else o, q_start, seq_lens if paged else q_start, tab, s,
+        q, ka, va, o, lse if lse is not None else o, q_start, seq_lens if paged else q_start, tab, s,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, scale * _LOG2E,
-        G=g, TPT=tpt, ROWS=rows, D=q.shape[-1], KV=KV_BLOCK, PAGE=page, PAGED=paged,
-        STORE_LSE=lse is not None, SB=sb, num_warps=warps, num_stages=stages, **EXACT)
+        G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, PAGE=page, PAGED=paged,
+        STORE_LSE=lse is not None, SB=sb, TMA=tma, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
@@ -469,18 +510,20 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
     windows = _ds_windows(t, s, tpt, keys, qt, keys * rows * q.element_size() * hkv, _DS_BYTES)
     ds_blocks = max((w[2] for w in windows), default=1)
     ds = torch.empty((hkv * ds_blocks * keys, rows), dtype=q.dtype, device=q.device)
-    tma = _DS_TMA if tma is None else tma
+    tma, qdo_tma = (_DS_TMA, _QDO_TMA) if tma is None else tma
     tma = tma and gemm.tma_ready(ds)
     dsa = gemm.descriptor(ds, [keys, rows]) if tma else ds
+    qdo_tma = qdo_tma and tma and tpt * g == rows and gemm.tma_ready(q, do)     # whole [TPT, G, D] boxes
+    qa, doa = (gemm.descriptor(x, [tpt, g, d]) for x in (q, do)) if qdo_tma else (q, do)
     part_blocks, _ = _grid_tiles(t, s, keys)          # key blocks of every sequence, numbered flat
     part = torch.empty((2, chunks, hkv, part_blocks, keys, d), dtype=torch.float32, device=k.device)
     dq = torch.empty_like(q)
     sb = triton.next_power_of_2(max(s, 32))
     for u0, u1, _, kv_programs, q_programs in windows:
         _bwd_dkdv_kernel[(kv_programs, triton.cdiv(u1, qt) - u0 // qt, hkv)](
-            q, k, v, do, lse, delta, part, dsa, cu, s, u0, u1, chunks, q.stride(0), k.stride(0), part_blocks,
+            qa, k, v, doa, lse, delta, part, dsa, cu, s, u0, u1, chunks, q.stride(0), k.stride(0), part_blocks,
             ds_blocks, scale * _LOG2E, G=g, TPT=tpt, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, QT=qt,
-            SB=sb, TMA=tma, num_warps=warps, num_stages=stages, **EXACT)
+            SB=sb, TMA=tma, QDO_TMA=qdo_tma, num_warps=warps, num_stages=stages, **EXACT)
         _bwd_dq_kernel[(q_programs, hkv)](
             dsa, k, dq, cu, s, u0, u1, q.stride(0), k.stride(0), ds_blocks, scale,
             G=g, TPT=tpt, ROWS=rows, D=d, BLOCK_N=keys, SB=sb, TMA=tma, num_warps=dq_warps,
