@@ -131,8 +131,8 @@ def attention64(q, k, v, lens):
     return torch.cat(outs)
 
 
-def test_forward_and_gradients_vs_float64():
-    lens = [700, 1500]
+@pytest.mark.parametrize("lens", [[700, 1500], [300, 200]])   # 3 query chunks / one (chunks == 1)
+def test_forward_and_gradients_vs_float64(lens):
     t = sum(lens)
     base = [rand(t, HQ, D, seed=7), rand(t, HKV, D, seed=8), rand(t, HKV, D, seed=9)]
     do = rand(t, HQ, D, seed=10)

@@ -328,7 +328,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     # no [BLOCK_N, D] pointer tensor kept alive across the walk (registers)
     fb = tl.sum(tl.where(i < seq, (lens + BLOCK_N - 1) // BLOCK_N, 0), 0) + blk
     pblk = Part + ((c * tl.num_programs(2) + kvh).to(tl.int64) * part_blocks + fb) * (BLOCK_N * D)
-    dv_off = chunks.to(tl.int64) * tl.num_programs(2) * part_blocks * (BLOCK_N * D)
+    dv_off = (tl.num_programs(2) * chunks).to(tl.int64) * part_blocks * (BLOCK_N * D)   # chunks may be a constexpr 1
     poff = tl.arange(0, BLOCK_N)[:, None] * D + d[None, :]
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
