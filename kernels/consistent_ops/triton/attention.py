@@ -4,8 +4,10 @@ A program owns a tile of query ROWS of one sequence and one KV head; a row is a
 (token, query head) pair, the G query heads that share the KV head stacked as in the
 reference. ``_attend_tile`` walks keys in blocks of KV_BLOCK from position 0, in
 order, with the contract's online-softmax update; the varlen (training) and paged
-(rollout) kernels are the same kernel and differ only in ``_key_rows`` (where key
-position p is stored). A row's bits depend on its q, its position and the keys only:
+(rollout) kernels are the same kernel and differ only in where a key block is read from
+(``_block_rows``: packed K/V by TMA bulk copies on Hopper, the paged cache by pointers;
+the arithmetic is the same, so are the bits). A row's bits depend on its q, its position
+and the keys only:
 - every row sees the same instructions: every path launches the same tile (64 rows,
   4 warps: one warpgroup's wgmma m64; a row's max/sum never leaves its warp);
 - a block a row cannot see is an exact no-op (a = exp2(0) = 1, p = exp2(-inf) = 0), so
@@ -19,7 +21,7 @@ queries, over its query tiles in ascending order, the chunks' fp32 partials then
 ascending chunk order; that program also stores each pair's dS (bf16), and dQ is one matmul
 over them by the program that owns the query tile, key blocks in ascending order: 5 matmuls
 (FlashAttention's count) with no atomics, so gradients are run-to-run deterministic. The dS
-buffer is bounded: chunks run in windows whose dS fits _DS_BYTES (_ds_windows).
+buffer is bounded: query tiles run in windows whose dS fits _DS_BYTES (_ds_windows).
 """
 import functools
 import math
@@ -51,12 +53,14 @@ _QCHUNK = 1024
 # memory, bounded from shapes for any packing (2 bytes a score; a window holds at least one
 # key block's worth of tiles, so this is exceeded only by a window of a single step).
 _DS_BYTES = 2 << 30
-# dS moves by bulk copies (TMA) on Hopper: bwd 3.96 vs 4.30 ms with pointer stores at S=4k x4
-# (H200, probe_attention_bwd). The dK/dV partials stay pointer stores: their 32 KB staging
-# buffer leaves room for one program an SM (5.88 ms).
-_DS_TMA = True
-_QDO_TMA = True
-# Packed (training) K/V by bulk copies in the forward: probe only until measured.
+# Bulk copies (TMA) on Hopper (H200, S=4k x4, probe_attention_bwd): dS stores and loads (bwd
+# 3.99 vs 4.30 ms with pointers), q/dO of the dK/dV walk as [TPT, G, D] boxes (3.85 vs 3.99).
+# The dK/dV partials stay pointer stores: their 32 KB staging buffer leaves room for one
+# program an SM (5.88 ms).
+_DS_TMA, _QDO_TMA = True, True
+# Packed (training) K/V by bulk copies in the forward (probe_attention): 4.56 vs 5.39 ms at
+# 16k x1, 1.28 vs 1.49 at 4k x4, the same bits (184 -> 139 registers). A masked key of another
+# packed sequence is read then (p = 0 for it): K/V must be finite, as activations are.
 _FWD_TMA = True
 # The online softmax runs in base 2 with the logit scale folded into one FMA (two fp32
 # operations fewer per score than exp(s * scale - m)): on the H200 the forward got 11-14 %
@@ -490,7 +494,7 @@ def _ds_windows(t, s, tpt, keys, qt, block_bytes, budget):
 
 def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
     """dQ, dK, dV. tiles: (dQ (warps, stages), dK/dV (rows, keys, warps), stages) instead of
-    the backward's; tma: bulk copies of dS on or off (probes only)."""
+    the backward's; tma: bulk copies of (dS, q/dO) on or off (probes only)."""
     (dq_warps, dq_stages), (rows, keys, warps), stages = tiles or (_BWD_DQ, _BWD_DKDV, _BWD_STAGES)
     (t, hq, d), hkv = q.shape, k.shape[1]
     g = hq // hkv
