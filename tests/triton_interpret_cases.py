@@ -27,6 +27,7 @@ import consistent_ops as co  # noqa: E402
 from interpreter_bf16 import fix_interpreter_bf16  # noqa: E402
 import consistent_ops.reference as R  # noqa: E402
 import consistent_ops.triton as T  # noqa: E402
+from consistent_ops.triton.attention import _ds_before  # noqa: E402
 
 
 fix_interpreter_bf16()
@@ -193,12 +194,26 @@ def test_attention_backward_windows_and_uneven_tiles(monkeypatch):
 
 def _ds_blocks(lens, u0, u1, tpt, keys):
     """The dS blocks a window uses, counted as _ds_layout lays them out."""
-    total = 0
-    for n in lens:
-        t_end = min(-(-n // tpt), u1)
-        if t_end > u0:
-            total += (t_end - u0) * -(-min(t_end * tpt, n) // keys)
-    return total
+    from consistent_ops.triton import attention as ta
+    before = lambda u: ta._ds_before_host(u, tpt, keys)  # noqa: E731
+    return sum(before(min(-(-n // tpt), u1)) - before(u0) for n in lens if -(-n // tpt) > u0)
+
+
+@triton.jit
+def _ds_count_kernel(Out, TPT: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.arange(0, 512)
+    tl.store(Out + t, _ds_before(t, TPT, BLOCK_N))
+
+
+def test_ds_block_count_kernel_equals_host():
+    """The kernels' dS offsets (_ds_before) and the host's bound use the same count, and a
+    tile's blocks cover the key blocks it sees."""
+    from consistent_ops.triton import attention as ta
+    for tpt, keys in ((8, 64), (12, 64), (32, 64), (64, 64), (4, 128)):
+        out = torch.zeros(512, dtype=torch.int32)
+        _ds_count_kernel[(1,)](out, TPT=tpt, BLOCK_N=keys)
+        assert out.tolist() == [ta._ds_before_host(u, tpt, keys) for u in range(512)]
+        assert all(out[u + 1] - out[u] >= -(-(u + 1) * tpt // keys) for u in range(511))
 
 
 def test_ds_window_bounds_hold_for_any_packing():

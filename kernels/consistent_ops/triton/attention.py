@@ -233,14 +233,30 @@ def _bwd_delta_kernel(O, DO, Delta, rows_total, D: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def _ds_before(t, TPT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dS blocks of a sequence's query tiles 0 .. t-1: tile u takes u // R + 1 + E blocks, at
+    least the key blocks it sees (R = BLOCK_N // TPT; E = 1 where TPT does not divide
+    BLOCK_N), each tile's after the previous one's. _ds_before_host is the same count."""
+    R: tl.constexpr = BLOCK_N // TPT
+    E: tl.constexpr = (BLOCK_N % TPT + TPT - 1) // TPT
+    q = t // R
+    return t * (1 + E) + R * (q * (q - 1) // 2) + (t % R) * q
+
+
+def _ds_before_host(t, tpt, keys):
+    """_ds_before on the host (the buffer's bound)."""
+    r, e = keys // tpt, int(keys % tpt != 0)
+    q = t // r
+    return t * (1 + e) + r * (q * (q - 1) // 2) + (t % r) * q
+
+
+@triton.jit
 def _ds_layout(seq, i, lens, u0, u1, TPT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where the dS blocks of query tiles u0 <= t < u1 (of every sequence) lie: a sequence's
-    tiles take W consecutive blocks each (W: the key blocks its last tile there sees), the
-    sequences one after another. Returns (first block of sequence seq, its W)."""
+    """First dS block of sequence seq among those of query tiles u0 <= t < u1 (a window):
+    the sequences' tiles one after another (_ds_before within a sequence)."""
     t_end = tl.minimum((lens + TPT - 1) // TPT, u1)
-    w = (tl.minimum(t_end * TPT, lens) + BLOCK_N - 1) // BLOCK_N
-    blocks = tl.where(t_end > u0, (t_end - u0) * w, 0).to(tl.int64)
-    return tl.sum(tl.where(i < seq, blocks, 0), 0), tl.sum(tl.where(i == seq, w, 0), 0)
+    blocks = tl.where(t_end > u0, _ds_before(t_end, TPT, BLOCK_N) - _ds_before(u0, TPT, BLOCK_N), 0)
+    return tl.sum(tl.where(i < seq, blocks.to(tl.int64), 0), 0) - _ds_before(u0, TPT, BLOCK_N)
 
 
 @triton.jit
@@ -320,8 +336,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     t_hi = tl.minimum(tl.minimum(tl.cdiv(n, TPT), (c + 1) * QT), u1)
     if t_lo >= t_hi:                                              # no query of the window sees them
         return
-    ds_seq, w = _ds_layout(seq, i, lens, u0, u1, TPT, BLOCK_N)
-    ds_blk = kvh * ds_blocks + ds_seq + blk                     # this key block's dS, the window's first tile
+    ds_blk = kvh * ds_blocks + _ds_layout(seq, i, lens, u0, u1, TPT, BLOCK_N) + blk   # + tile t's offset
     d = tl.arange(0, D)
     kpos = n0 + tl.arange(0, BLOCK_N)
     kin = kpos < n
@@ -344,14 +359,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     t_mid = tl.maximum(tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), t_hi), t_lo)
     t_end = tl.maximum(tl.minimum(n // TPT, t_hi), t_mid) if QDO_TMA else t_hi
     for t in range(t_lo, t_mid):
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
-                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + _ds_before(t, TPT, BLOCK_N),
+                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
     for t in range(t_mid, t_end):
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
-                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, False, TMA, QDO_TMA)
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + _ds_before(t, TPT, BLOCK_N),
+                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, False, TMA, QDO_TMA)
     for t in range(t_end, t_hi):
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + (t - u0) * w, s0, n, kvh, t,
-                                kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
+        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + _ds_before(t, TPT, BLOCK_N),
+                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
     tl.store(pblk + poff, dk)
     tl.store(pblk + dv_off + poff, dv)
 
@@ -372,8 +387,7 @@ def _bwd_dq_kernel(DS, K, DQ, Cu, S, u0, u1, stride_t, stride_kt, ds_blocks, sca
     s0 = tl.load(Cu + seq)
     n = tl.load(Cu + seq + 1) - s0
     tok, hg, valid = _tile_rows(t, n, ROWS, G, TPT)
-    ds_seq, w = _ds_layout(seq, i, lens, u0, u1, TPT, BLOCK_N)
-    ds_blk = kvh * ds_blocks + ds_seq + w_t * w                # this tile's first dS block
+    ds_blk = kvh * ds_blocks + _ds_layout(seq, i, lens, u0, u1, TPT, BLOCK_N) + _ds_before(t, TPT, BLOCK_N)
     kk = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     dq = tl.zeros([ROWS, D], tl.float32)
@@ -475,9 +489,11 @@ def _ds_windows(t, s, tpt, keys, qt, block_bytes, budget):
     def bounds(u0, u1):
         span = min(t, u1 * tpt)                      # tokens of a sequence the window's tiles see
         m = s if u0 == 0 else min(s, t // (u0 * tpt + 1))     # sequences that reach the window
-        # per sequence: tiles x key blocks <= (x/tpt + 1)(x/keys + 1), x = its tokens up to span
-        loose = -(-t * span // (tpt * keys)) + triton.cdiv(t, tpt) + triton.cdiv(t, keys) + s
-        return (min(m * (u1 - u0) * triton.cdiv(span, keys), loose),
+        r, e = keys // tpt, int(keys % tpt != 0)
+        # a sequence of x tokens up to span: <= (x/tpt + 1)(x/(tpt r) + 1 + e) blocks (_ds_before)
+        loose = (-(-t * span // (tpt * tpt * r)) + triton.cdiv(t, tpt) * (1 + e) + triton.cdiv(t, tpt * r)
+                 + s * (1 + e))
+        return (min(m * (_ds_before_host(u1, tpt, keys) - _ds_before_host(u0, tpt, keys)), loose),
                 min(m * triton.cdiv(span, keys), triton.cdiv(t, keys) + s),
                 min(m * (u1 - u0), triton.cdiv(t, tpt) + s))
     tiles, step = triton.cdiv(t, tpt), max(1, keys // tpt)
@@ -507,6 +523,8 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
         raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {rows}")
     s = len(cu) - 1
     tpt = rows // g
+    if keys < tpt:
+        raise NotImplementedError(f"backward tile {(rows, keys)}: a key block must span a query tile's tokens")
     qt = _query_chunk(t) // tpt                  # query tiles a chunk
     chunks = triton.cdiv(triton.cdiv(t, tpt), qt)
     delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
