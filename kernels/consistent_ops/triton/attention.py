@@ -42,7 +42,7 @@ _TILE, _STAGES = (64, 4), 3
 # Backward: the dK/dV kernel (tile: rows, keys, warps) walks every (query tile, key block)
 # pair once and also stores the pair's dS (bf16); dQ is then one matmul (dS K) over those
 # blocks in key order: 5 matmuls, no atomics, deterministic. dK/dV (64, 64, 4) holds 255
-# registers and spills 88 bytes (compiler report), the fastest of the tiles probed
+# registers and spills 136 bytes (compiler report), the fastest of the tiles probed
 # (probe_attention_bwd); the dQ kernel (_BWD_DQ: warps, stages) 96 registers, no spills.
 _BWD_DKDV, _BWD_STAGES, _BWD_DQ = (64, 64, 4), 2, (4, 3)
 # dK/dV programs walk the query tiles of one chunk of at least _QCHUNK tokens each (fp32
