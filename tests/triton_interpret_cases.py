@@ -167,6 +167,13 @@ def test_attention_backward_over_query_chunks(qkv, monkeypatch):
         assert rel(mine, exact) < 2e-2
 
 
+def test_attention_empty_batch():
+    """No tokens: the forward and backward launch nothing that fails, gradients are empty."""
+    q, k, v = (torch.zeros(0, h, D, dtype=BF16, requires_grad=True) for h in (HQ, HKV, HKV))
+    T.attention_varlen(q, k, v, _cu([0])).float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 def _grads(q, k, v, lens, g):
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     T.attention_varlen(q, k, v, _cu(lens)).backward(g)

@@ -462,9 +462,9 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     tab = table if paged else q_start
     kr, vr = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
     d = q.shape[-1]
-    tma = not paged and (_FWD_TMA if tma is None else tma) and k.is_contiguous() and v.is_contiguous() \
-        and gemm.tma_ready(k.view(k.shape[0], -1), v.view(v.shape[0], -1))
-    ka, va = ((gemm.descriptor(c.view(c.shape[0], -1), [KV_BLOCK, d]) for c in (k, v)) if tma else (k, v))
+    tma = not paged and (_FWD_TMA if tma is None else tma) and k.shape[0] > 0 and k.is_contiguous() \
+        and v.is_contiguous() and gemm.tma_ready(k.flatten(1), v.flatten(1))
+    ka, va = ((gemm.descriptor(c.flatten(1), [KV_BLOCK, d]) for c in (k, v)) if tma else (k, v))
     _attn_fwd_kernel[(programs, k.shape[-2])](
         q, ka, va, o, lse if lse is not None else o, q_start, seq_lens if paged else q_start, tab, s,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
@@ -521,6 +521,8 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
         raise ValueError("k and v must be contiguous [T, Hkv, D]")
     if g > rows:
         raise NotImplementedError(f"{g} query heads per KV head: the backward handles at most {rows}")
+    if t == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     s = len(cu) - 1
     tpt = rows // g
     if keys < tpt:
