@@ -358,9 +358,8 @@ def _attention_case(s, batch):
 
 def probe_attention_bwd():
     """Backward variants ((dQ warps, stages), (dK/dV rows, keys, warps), stages, bulk copies of
-    (dS, q and dO)):
-    fwd+bwd ms at S=4k x4, 16k x1 and 4k x1, and whether two backward passes give identical
-    gradients."""
+    (dS, q and dO)): fwd+bwd ms at S=4k x4, 16k x1 and 4k x1, and whether two backward passes
+    give identical gradients."""
     from consistent_ops.triton import attention as ta
     variants = (((4, 3), (64, 64, 4), 2, (True, True)), ((4, 3), (64, 64, 4), 2, (True, False)),
                 ((4, 3), (64, 64, 4), 3, (True, True)), ((4, 3), (64, 128, 8), 2, (True, True)),

@@ -182,8 +182,9 @@ def _grads(q, k, v, lens, g):
 
 def test_attention_backward_windows_and_uneven_tiles(monkeypatch):
     """The dS buffer's windows (query tiles launched together) never move a gradient bit:
-    one window == a window per key block's worth of tiles (cutting chunks). G = 5 query heads per KV head (12 tokens a tile, which
-    does not divide the chunk or the key block): accurate against float64."""
+    one window == a window per key block's worth of tiles (cutting chunks). G = 5 query
+    heads per KV head (12 tokens a tile, dividing neither the chunk nor the key block):
+    accurate against float64."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "_QCHUNK", 32)
     lens = [70, 3, 130]
