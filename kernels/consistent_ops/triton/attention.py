@@ -360,13 +360,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     t_end = tl.maximum(tl.minimum(n // TPT, t_hi), t_mid) if QDO_TMA else t_hi
     for t in range(t_lo, t_mid):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + _ds_before(t, TPT, BLOCK_N),
-                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
+                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True,
+                                TMA, QDO_TMA)
     for t in range(t_mid, t_end):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + _ds_before(t, TPT, BLOCK_N),
-                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, False, TMA, QDO_TMA)
+                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, False,
+                                TMA, QDO_TMA)
     for t in range(t_end, t_hi):
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + _ds_before(t, TPT, BLOCK_N),
-                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True, TMA, QDO_TMA)
+                                s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True,
+                                TMA, QDO_TMA)
     tl.store(pblk + poff, dk)
     tl.store(pblk + dv_off + poff, dv)
 
