@@ -260,12 +260,17 @@ def _ds_layout(seq, i, lens, u0, u1, TPT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _ds_ptrs(DS, block, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    off = block.to(tl.int64) * (BLOCK_N * ROWS)
+    return DS + off + tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :]
+
+
+@triton.jit
 def _ds_store(DS, block, dst, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     if TMA:  # CUDA-ONLY: DS is a host TensorDescriptor over [blocks * BLOCK_N, ROWS] (bulk store)
         DS.store([(block * BLOCK_N).to(tl.int32), 0], dst)
     else:
-        off = block.to(tl.int64) * (BLOCK_N * ROWS)
-        tl.store(DS + off + tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :], dst)
+        tl.store(_ds_ptrs(DS, block, ROWS, BLOCK_N), dst)
 
 
 @triton.jit
@@ -273,8 +278,7 @@ def _ds_load(DS, block, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.const
     if TMA:  # CUDA-ONLY, as _ds_store
         return DS.load([(block * BLOCK_N).to(tl.int32), 0])
     else:
-        off = block.to(tl.int64) * (BLOCK_N * ROWS)
-        return tl.load(DS + off + tl.arange(0, BLOCK_N)[:, None] * ROWS + tl.arange(0, ROWS)[None, :])
+        return tl.load(_ds_ptrs(DS, block, ROWS, BLOCK_N))
 
 
 @triton.jit
@@ -505,8 +509,9 @@ def _ds_windows(t, s, tpt, keys, qt, block_bytes, budget):
         u1 = min(u0 + step, tiles)
         while u1 < tiles and bounds(u0, min(u1 + step, tiles))[0] * block_bytes <= budget:
             u1 = min(u1 + step, tiles)
-        if bounds(u0, u1)[0]:
-            out.append((u0, u1, *bounds(u0, u1)))
+        window = bounds(u0, u1)
+        if window[0]:
+            out.append((u0, u1, *window))
         u0 = u1
     return tuple(out)
 
@@ -542,10 +547,9 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
     dsa = gemm.descriptor(ds, [keys, rows]) if tma else ds
     qdo_tma = qdo_tma and tma and tpt * g == rows and gemm.tma_ready(q, do)     # whole [TPT, G, D] boxes
     qa, doa = (gemm.descriptor(x, [tpt, g, d]) for x in (q, do)) if qdo_tma else (q, do)
-    part_blocks, _ = _grid_tiles(t, s, keys)          # key blocks of every sequence, numbered flat
+    part_blocks, sb = _grid_tiles(t, s, keys)         # key blocks of every sequence, numbered flat
     part = torch.empty((2, chunks, hkv, part_blocks, keys, d), dtype=torch.float32, device=k.device)
     dq = torch.empty_like(q)
-    sb = triton.next_power_of_2(max(s, 32))
     for u0, u1, _, kv_programs, q_programs in windows:
         _bwd_dkdv_kernel[(kv_programs, triton.cdiv(u1, qt) - u0 // qt, hkv)](
             qa, k, v, doa, lse, delta, part, dsa, cu, s, u0, u1, chunks, q.stride(0), k.stride(0), part_blocks,
