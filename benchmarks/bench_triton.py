@@ -12,6 +12,7 @@ grouped MoE experts vs torch._grouped_mm, 4-layer actor fwd+bwd vs stock HF.
 import argparse
 import datetime
 import json
+import statistics
 import subprocess
 
 import torch
@@ -65,6 +66,16 @@ def ceilings():
     return bw
 
 
+def _interleaved(cases, rounds=3):
+    """{name: (fn, grad_to_none)} -> {name: ms}: each case benched once a round, the cases in turn,
+    the median over rounds (clock or thermal drift during the run then moves every case alike)."""
+    runs = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (fn, grads) in cases.items():
+            runs[name].append(bench(fn, grad_to_none=grads))
+    return {name: statistics.median(ms) for name, ms in runs.items()}
+
+
 def attention_fwd_bwd():
     for s in (4096, 8192, 16384):
         batch = 16384 // s
@@ -74,31 +85,34 @@ def attention_fwd_bwd():
         cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32) * s
         do = rand(batch * s, HQ, D)
         flops = 2 * batch * HQ * s * s * D * 3.5       # causal fwd (2 matmuls, half) x (1 + 2.5 bwd)
-        ours_fwd = bench(lambda: co.attention_varlen(q, k, v, cu))
-        ours = bench(lambda: co.attention_varlen(q, k, v, cu).backward(do), grad_to_none=[q, k, v])
+        cases = {"ours fwd": (lambda: co.attention_varlen(q, k, v, cu), None),
+                 "ours": (lambda: co.attention_varlen(q, k, v, cu).backward(do), [q, k, v])}
         qs, ks, vs = (t.detach().view(batch, s, -1, D).transpose(1, 2).contiguous().requires_grad_()
                       for t in (q, k, v))
         dos = do.view(batch, s, HQ, D).transpose(1, 2).contiguous()
-        stock, stock_fwd = {}, {}
         # KV heads expanded to 32 only if a backend refuses enable_gqa (named "(kv x8)")
         kx, vx = (t.detach().repeat_interleave(HQ // HKV, 1).requires_grad_() for t in (ks, vs))
         for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
             for kk, vv, gqa, label in ((ks, vs, True, name), (kx, vx, False, name + " (kv x8)")):
-                def run(bwd=True):
+                def run(bwd=True, kk=kk, vv=vv, gqa=gqa, backend=backend):
                     with sdpa_kernel(backend):
                         o = F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, enable_gqa=gqa)
                         if bwd:
                             o.backward(dos)
                 try:
-                    stock_fwd[label] = bench(lambda: run(False))
-                    stock[label] = bench(run, grad_to_none=[qs, kk, vv])
+                    run()                                   # backend refuses this shape: RuntimeError
+                    cases[label + " fwd"] = (lambda run=run: run(False), None)
+                    cases[label] = (run, [qs, kk, vv])
                     break
-                except RuntimeError as e:               # backend refuses this shape
+                except RuntimeError as e:
                     print(f"  {label}: {str(e).splitlines()[0][:100]}")
-        record("attention", f"fwd      S={s} x{batch}", ours_fwd, stock_fwd,
-               f"{flops / 3.5 / ours_fwd / 1e9:.0f} TFLOP/s")
-        record("attention", f"fwd+bwd  S={s} x{batch}", ours, stock, f"{flops / ours / 1e9:.0f} TFLOP/s",
-               ">= 0.9x")
+        ms = _interleaved(cases)
+        stock = {n: t for n, t in ms.items() if not n.startswith("ours") and not n.endswith(" fwd")}
+        stock_fwd = {n[:-4]: t for n, t in ms.items() if not n.startswith("ours") and n.endswith(" fwd")}
+        record("attention", f"fwd      S={s} x{batch}", ms["ours fwd"], stock_fwd,
+               f"{flops / 3.5 / ms['ours fwd'] / 1e9:.0f} TFLOP/s")
+        record("attention", f"fwd+bwd  S={s} x{batch}", ms["ours"], stock, f"{flops / ms['ours'] / 1e9:.0f} TFLOP/s",
+               ">= 1.0x flash, >= 0.8x cuDNN")
 
 
 def paged_decode(bw_tbs):
@@ -310,10 +324,33 @@ def probe_linear():
                 print(f"  {name:6s} {cname:20s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
 
 
+def _probe_variants(label, runs, variants, rounds=5):
+    """runs: {case: fn(**variant) -> tensors}; variants: keyword dicts, the first the default.
+    Each (case, variant) is timed once a round, in turn (medians over rounds: drift moves all
+    alike), and its outputs compared bit for bit with the default's."""
+    for case, run in runs.items():
+        base = run(**variants[0])
+        cases, same = {}, {}
+        for i, kw in enumerate(variants):
+            try:
+                out = run(**kw)
+                same[i] = (all(torch.equal(a, b) for a, b in zip(out, base)),
+                           all(torch.equal(a, b) for a, b in zip(out, run(**kw))))
+                cases[i] = (lambda kw=kw: run(**kw), None)
+            except Exception as e:
+                print(f"  {label} {case} {kw}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+        ms = _interleaved(cases, rounds)
+        for i, t in ms.items():
+            print(f"  {label} {case} {variants[i] or 'default'}: {t:.3f} ms ({ms[0] / t:.3f}x the default), "
+                  f"bits {'==' if same[i][0] else 'differ from'} the default, two runs "
+                  f"{'identical' if same[i][1] else 'DIFFER'}",
+                  flush=True)
+
+
 def probe_attention():
-    """Forward variants (rows, warps, stages, bulk copies of packed K/V) of the attention kernel:
-    ms at S=16k x1 and 4k x4 (varlen) and a 2k chunk at context 8k (paged: pointer loads always),
-    and whether their outputs and log-sum-exps equal the one tile's bit for bit."""
+    """Forward variants (keyword arguments of _forward: tile (rows, warps, stages), tma (bulk
+    copies of packed K/V)) at S=16k x1, 8k x2 and 4k x4 (varlen) and a 2k chunk at context 8k
+    (paged: pointer loads always)."""
     from consistent_ops.triton import attention as ta
     chunk, ctx = 2048, 8192
     from harness import PagedKV
@@ -323,27 +360,16 @@ def probe_attention():
     _, _, bt, seq_lens, qsl = kv.plan([(0, chunk)])
     qc = rand(chunk, HQ, D)
     scale = D ** -0.5
-    runs = {"paged 2k@8k": lambda t, tma: (ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True,
-                                                       tile=t, tma=tma),)}
-    for s, batch in ((16384, 1), (4096, 4)):
+    runs = {"paged 2k@8k": lambda **kw: (ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True, **kw),)}
+    for s, batch in ((16384, 1), (8192, 2), (4096, 4)):
         q, k, v, _, cu, _, lse, _ = _attention_case(s, batch)
         runs[f"varlen {s // 1024}k x{batch}"] = (
-            lambda t, tma, q=q, k=k, v=v, cu=cu, lse=lse:
-            (ta._forward(q, k, v, cu, None, None, scale, False, lse=lse, tile=t, tma=tma), lse.clone()))
-    base = {name: run(None, False) for name, run in runs.items()}
-    for tile, tma in (((64, 4, 3), False), ((64, 4, 3), True), ((64, 4, 2), True), ((64, 4, 4), True)):
-        for name, run in runs.items():
-            if tma and name.startswith("paged"):
-                continue
-            try:
-                same = all(torch.equal(a, b) for a, b in zip(run(tile, tma), base[name]))
-                print(f"  attention {name} tile {tile} K/V TMA {tma}: {bench(lambda: run(tile, tma), rep=100):.3f} "
-                      f"ms bits {'same' if same else 'DIFF'}", flush=True)
-            except Exception as e:
-                print(f"  attention {name} tile {tile}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+            lambda q=q, k=k, v=v, cu=cu, lse=lse, **kw:
+            (ta._forward(q, k, v, cu, None, None, scale, False, lse=lse, **kw), lse.clone()))
+    _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2))))
 
 
-BWD_SHAPES = ((4096, 4), (16384, 1), (4096, 1))   # S x sequences; 4k x1: the actor's one sequence
+BWD_SHAPES = ((4096, 4), (8192, 2), (16384, 1), (4096, 1))   # S x seqs; 4k x1: the actor's one sequence
 
 
 def _attention_case(s, batch):
@@ -357,29 +383,17 @@ def _attention_case(s, batch):
 
 
 def probe_attention_bwd():
-    """Backward variants ((dQ warps, stages), (dK/dV rows, keys, warps), stages, bulk copies of
-    (dS, q and dO)): fwd+bwd ms at S=4k x4, 16k x1 and 4k x1, and whether two backward passes
-    give identical gradients."""
+    """Backward variants (keyword arguments of _backward: tiles (dQ (warps, stages), (dK/dV rows,
+    keys, warps), stages), tma (bulk copies of dS, q/dO), qchunk (least tokens, most chunks)):
+    bwd ms, gradients against the default's (other chunks add the partials otherwise)."""
     from consistent_ops.triton import attention as ta
-    variants = (((4, 3), (64, 64, 4), 2, (True, True)), ((4, 3), (64, 64, 4), 2, (True, False)),
-                ((4, 3), (64, 64, 4), 3, (True, True)), ((4, 3), (64, 128, 8), 2, (True, True)),
-                ((4, 3), (64, 128, 8), 2, (True, False)))
+    runs = {}
     for s, batch in BWD_SHAPES:
         q, k, v, do, cu, scale, lse, o = _attention_case(s, batch)
-        fwd = bench(lambda: ta._forward(q, k, v, cu, None, None, scale, False, lse=lse), rep=100)
-        base = ta._backward(q, k, v, o, lse, do, cu, scale)
-        for *t, tma in variants:
-            try:
-                run = lambda: ta._backward(q, k, v, o, lse, do, cu, scale, tiles=t, tma=tma)  # noqa: E731
-                g1 = run()
-                same = all(torch.equal(a, b) for a, b in zip(g1, run()))
-                diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(g1, base))
-                ms = bench(run, rep=100)
-                print(f"  attention bwd S={s} x{batch} tiles {t} TMA (dS, q/dO) {tma}: bwd {ms:.3f} ms, fwd+bwd "
-                      f"{fwd + ms:.3f} ms, {'deterministic' if same else 'NOT DETERMINISTIC'}, "
-                      f"rel. diff vs the default {diff:.1e}", flush=True)
-            except Exception as e:
-                print(f"  attention bwd S={s} tiles {t}: failed {type(e).__name__}: {str(e)[:80]}", flush=True)
+        runs[f"S={s} x{batch}"] = lambda q=q, k=k, v=v, o=o, lse=lse, do=do, cu=cu, scale=scale, **kw: \
+            ta._backward(q, k, v, o, lse, do, cu, scale, **kw)
+    _probe_variants("attention bwd", runs, (dict(), dict(qchunk=(1024, 8)), dict(qchunk=(256, 32)),
+                                            dict(tiles=((4, 2), (64, 64, 4), 2)), dict(tiles=((8, 3), (64, 64, 4), 2))))
 
 
 def _kernel_stats(fn):

@@ -243,6 +243,19 @@ def test_ds_window_bounds_hold_for_any_packing():
             assert all(u in covered for n in lens for u in range(-(-n // tpt)))
 
 
+def test_query_chunks_bound_the_partials():
+    """dK/dV query chunks: at least _QCHUNK tokens, at most _CHUNKS, their fp32 partials within
+    _PART_BYTES (one chunk where even one passes it), and every tile in a chunk."""
+    from consistent_ops.triton import attention as ta
+    for t in (1, 500, 4096, 16384, 65536, 1 << 20):
+        for hkv, d, tpt in ((4, 128, 8), (8, 128, 12), (1, 64, 64)):
+            chunk_bytes = 2 * hkv * (t // 64 + 1) * 64 * d * 4
+            qt, chunks = ta._query_chunks(t, tpt, chunk_bytes)
+            assert qt * tpt >= min(ta._QCHUNK, t) - tpt and chunks <= ta._CHUNKS
+            assert chunks * chunk_bytes <= ta._PART_BYTES or chunks == 1
+            assert (chunks - 1) * qt < -(-t // tpt) <= chunks * qt
+
+
 # ---------------------------------------------------------------- linear, norms, log-probs
 def test_linear_rows_and_accuracy():
     x, w, b = rand(200, 256, seed=4), rand(96, 256, scale=0.05, seed=5), rand(96, seed=6)

@@ -45,10 +45,13 @@ _TILE, _STAGES = (64, 4), 3
 # registers and spills 136 bytes (compiler report), the fastest of the tiles probed
 # (probe_attention_bwd); the dQ kernel (_BWD_DQ: warps, stages) 96 registers, no spills.
 _BWD_DKDV, _BWD_STAGES, _BWD_DQ = (64, 64, 4), 2, (4, 3)
-# dK/dV programs walk the query tiles of one chunk of at least _QCHUNK tokens each (fp32
-# partials, added in chunk order): one 4k sequence's backward 1.11 ms vs 1.53 unsplit, four
-# 4k sequences 4.21 vs 4.69 (H200, probe_attention_kernels).
-_QCHUNK = 1024
+# dK/dV programs walk the query tiles of one chunk of at least _QCHUNK tokens each, at most
+# _CHUNKS chunks (fp32 partials, added in chunk order): the causal walks are unequal, and
+# shorter ones balance the SMs better than they cost in partials (H200, probe_attention_bwd:
+# 512 / 16 vs 1024 / 8 bwd 3.4 / 1.2 / 1.7 / 3.7 % faster at 4k x4 / 8k x2 / 16k x1 / 4k x1;
+# 1024 unsplit: one 4k sequence 1.11 ms vs 1.53). The partials (2 x chunks fp32 copies of K)
+# take at most _PART_BYTES: fewer chunks for very long batches (16 up to 16k tokens at 4 x 128).
+_QCHUNK, _CHUNKS, _PART_BYTES = 512, 16, 2 << 30
 # The dS blocks of the query tiles launched together (a window) take at most this much
 # memory, bounded from shapes for any packing (2 bytes a score; a window holds at least one
 # key block's worth of tiles, so this is exceeded only by a window of a single step).
@@ -481,10 +484,14 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     return o
 
 
-def _query_chunk(max_len):
-    """Tokens per query chunk of the dK/dV kernel: _QCHUNK (few long sequences still fill
-    the GPU), at most 8 chunks (the partials are 2 x chunks fp32 copies of K)."""
-    return max(_QCHUNK, triton.next_power_of_2(triton.cdiv(max_len, 8)))
+def _query_chunks(t, tpt, chunk_bytes, least=None, most=None):
+    """(query tiles a chunk, chunks) of the dK/dV kernel for t tokens: chunks of a power of two
+    tokens, at least `least` (_QCHUNK), at most `most` (_CHUNKS), fewer where their partials
+    (chunk_bytes each) would pass _PART_BYTES."""
+    most = max(1, min(most or _CHUNKS, _PART_BYTES // chunk_bytes))
+    # powers of two: few distinct constexpr QT values, so few compiled kernel variants
+    qt = triton.cdiv(max(least or _QCHUNK, triton.next_power_of_2(triton.cdiv(t, most))), tpt)
+    return qt, triton.cdiv(triton.cdiv(t, tpt), qt)
 
 
 @functools.lru_cache(maxsize=64)
@@ -516,9 +523,10 @@ def _ds_windows(t, s, tpt, keys, qt, block_bytes, budget):
     return tuple(out)
 
 
-def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
+def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None, qchunk=None):
     """dQ, dK, dV. tiles: (dQ (warps, stages), dK/dV (rows, keys, warps), stages) instead of
-    the backward's; tma: bulk copies of (dS, q/dO) on or off (probes only)."""
+    the backward's; tma: bulk copies of (dS, q/dO) on or off; qchunk: (_QCHUNK, _CHUNKS)
+    instead (probes only)."""
     (dq_warps, dq_stages), (rows, keys, warps), stages = tiles or (_BWD_DQ, _BWD_DKDV, _BWD_STAGES)
     (t, hq, d), hkv = q.shape, k.shape[1]
     g = hq // hkv
@@ -535,8 +543,8 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
     tpt = rows // g
     if keys < tpt:
         raise NotImplementedError(f"backward tile {(rows, keys)}: a key block must span a query tile's tokens")
-    qt = _query_chunk(t) // tpt                  # query tiles a chunk
-    chunks = triton.cdiv(triton.cdiv(t, tpt), qt)
+    part_blocks, sb = _grid_tiles(t, s, keys)         # key blocks of every sequence, numbered flat
+    qt, chunks = _query_chunks(t, tpt, 2 * hkv * part_blocks * keys * d * 4, *(qchunk or ()))   # fp32 dK, dV
     delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(triton.cdiv(t * hq, 64),)](o, do, delta, t * hq, D=d, BLOCK=64, num_warps=4)
     windows = _ds_windows(t, s, tpt, keys, qt, keys * rows * q.element_size() * hkv, _DS_BYTES)
@@ -547,7 +555,6 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None):
     dsa = gemm.descriptor(ds, [keys, rows]) if tma else ds
     qdo_tma = qdo_tma and tma and tpt * g == rows and gemm.tma_ready(q, do)     # whole [TPT, G, D] boxes
     qa, doa = (gemm.descriptor(x, [tpt, g, d]) for x in (q, do)) if qdo_tma else (q, do)
-    part_blocks, sb = _grid_tiles(t, s, keys)         # key blocks of every sequence, numbered flat
     part = torch.empty((2, chunks, hkv, part_blocks, keys, d), dtype=torch.float32, device=k.device)
     dq = torch.empty_like(q)
     for u0, u1, _, kv_programs, q_programs in windows:
