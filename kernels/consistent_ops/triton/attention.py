@@ -317,6 +317,13 @@ def _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_block, s0, n, kvh, t,
 
 
 @triton.jit
+def _part_block(j, c, kvh, fb, chunks, hkv, part_blocks, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    """Element offset of a partial block in Part [dK / dV (j), chunk c, KV head, flat key
+    block fb, BLOCK_N, D], in int64 (chunks may be a constexpr 1: no .to() on it)."""
+    return (((j * chunks + c) * hkv + kvh).to(tl.int64) * part_blocks + fb) * (BLOCK_N * D)
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, stride_t, stride_kt, part_blocks,
                      ds_blocks, qk_scale, G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr, QT: tl.constexpr, SB: tl.constexpr,
@@ -350,17 +357,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     kptr = (s0 + kpos).to(tl.int64)[:, None] * stride_kt + kvh * D + d[None, :]
     k = tl.load(K + kptr, mask=kin[:, None], other=0.0)
     v = tl.load(V + kptr, mask=kin[:, None], other=0.0)
-    # Part [dK / dV, chunk, kvh, flat key block, BLOCK_N, D]: whole blocks, so no masks and
-    # no [BLOCK_N, D] pointer tensor kept alive across the walk (registers)
+    # whole Part blocks, so no masks and no [BLOCK_N, D] pointer tensor kept alive across the
+    # walk (registers)
     fb = tl.sum(tl.where(i < seq, (lens + BLOCK_N - 1) // BLOCK_N, 0), 0) + blk
-    pblk = Part + ((c * tl.num_programs(2) + kvh).to(tl.int64) * part_blocks + fb) * (BLOCK_N * D)
-    dv_off = (tl.num_programs(2) * chunks).to(tl.int64) * part_blocks * (BLOCK_N * D)   # chunks may be a constexpr 1
+    pk = Part + _part_block(0, c, kvh, fb, chunks, tl.num_programs(2), part_blocks, BLOCK_N, D)
+    pv = Part + _part_block(1, c, kvh, fb, chunks, tl.num_programs(2), part_blocks, BLOCK_N, D)
     poff = tl.arange(0, BLOCK_N)[:, None] * D + d[None, :]
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     if first < u0:                                                # an earlier window began this chunk
-        dk = tl.load(pblk + poff)
-        dv = tl.load(pblk + dv_off + poff)
+        dk = tl.load(pk + poff)
+        dv = tl.load(pv + poff)
     # tiles [t_lo, t_mid) see part of the keys, [t_mid, t_end) all of them; with bulk-copied
     # q/dO a partial last tile of the sequence (rows past n) is walked with the mask too
     t_mid = tl.maximum(tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, TPT), t_hi), t_lo)
@@ -377,8 +384,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
         dk, dv = _bwd_dkdv_tile(dk, dv, k, v, Q, DO, LSE, Delta, DS, ds_blk + _ds_before(t, TPT, BLOCK_N),
                                 s0, n, kvh, t, kpos, stride_t, qk_scale, G, TPT, ROWS, D, HQ, BLOCK_N, True,
                                 TMA, QDO_TMA)
-    tl.store(pblk + poff, dk)
-    tl.store(pblk + dv_off + poff, dv)
+    tl.store(pk + poff, dk)
+    tl.store(pv + poff, dv)
 
 
 @triton.jit
@@ -429,8 +436,9 @@ def _sum_parts_kernel(Part, Out, Cu, S, chunks, stride_kt, stride_out, scale, TP
     kptr = (s0 + kpos).to(tl.int64)[:, None] * stride_kt + kvh * D + tl.arange(0, D)[None, :]
     acc = tl.zeros([BLOCK_N, D], tl.float32)
     for c in range((n0 // TPT) // QT, tl.cdiv(tl.cdiv(n, TPT), QT)):
-        pblk = ((j * chunks + c) * tl.num_programs(1) + kvh) * tl.num_programs(0) + tl.program_id(0)
-        acc += tl.load(Part + pblk * (BLOCK_N * D) + tl.arange(0, BLOCK_N)[:, None] * D + tl.arange(0, D)[None, :])
+        pblk = Part + _part_block(j, c, kvh, tl.program_id(0), chunks, tl.num_programs(1), tl.num_programs(0),
+                                  BLOCK_N, D)
+        acc += tl.load(pblk + tl.arange(0, BLOCK_N)[:, None] * D + tl.arange(0, D)[None, :])
     acc = acc * tl.where(j == 0, scale, 1.0)
     tl.store(Out + j * stride_out + kptr, acc.to(Out.dtype.element_ty), mask=kin[:, None])
 
