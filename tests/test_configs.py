@@ -102,3 +102,21 @@ def test_rollout_top_k_top_p_pass_preflight_and_reach_the_trainer_config():
     assert any("kl_loss_type='k1' with top_k/top_p" in p for p in preflight.problems(kl))
     assert not any("kl_loss_type" in p for p in preflight.problems(
         _compose(["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k1"])))
+
+
+@pytest.mark.parametrize("overrides, key, drop", [
+    (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+     "actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "set False"),
+    (["preset=tiny_grpo_megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R3"],
+     "actor_rollout_ref.actor.megatron.router_replay.mode='R3'", "set disabled"),
+    (["preset=tiny_grpo_megatron", "actor_rollout_ref.actor.megatron.router_replay.mode=R2"],
+     "actor_rollout_ref.actor.megatron.router_replay.mode='R2'", "set disabled")])
+def test_routing_replay_is_refused_naming_the_key_to_drop(overrides, key, drop):
+    """R2 / R3 with the plugin on: one line per key, saying routing is already identical."""
+    found = [p for p in preflight.problems(_compose(overrides)) if "routing replay" in p]
+    assert len(found) == 1 and found[0].startswith(key + ": routing replay is redundant"), found
+    assert "already identical" in found[0] and found[0].endswith(f"drop it ({drop})") and "\n" not in found[0]
+
+
+def test_routing_replay_off_passes():
+    assert not [p for p in preflight.problems(_compose()) if "routing replay" in p]

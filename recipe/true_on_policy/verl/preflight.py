@@ -148,6 +148,26 @@ def _megatron_layout_rules(cfg, model):
         yield f"{mg}expert_model_parallel_size={ep} does not divide num_experts={experts}; use a divisor"
 
 
+# Routing replay (R2 / R3) forces recorded expert choices into the trainer's router. Under the
+# plugin both engines route with the contract's moe_route on bit-identical inputs, so the
+# routes already agree; and neither engine carries replay's hooks (our vLLM model class
+# returns no routed experts, our trainer layers have no replay router): refused, not ignored.
+_ROUTING_REPLAY = ("routing replay is redundant under true on-policy: the rollout and the trainer "
+                   "route with the same bits, so their top-k experts are already identical "
+                   "(python -m true_on_policy.check --localize reports the agreement)")
+
+
+def _routing_replay_rules(cfg):
+    key = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+    if _get(cfg, key, False):
+        yield f"{key}=True: {_ROUTING_REPLAY}; drop it (set False)"
+    for engine in ("megatron", "fsdp_config", "veomni"):
+        key = f"actor_rollout_ref.actor.{engine}.router_replay.mode"
+        mode = _get(cfg, key, "disabled")
+        if mode not in (None, "disabled"):
+            yield f"{key}={mode!r}: {_ROUTING_REPLAY}; drop it (set disabled)"
+
+
 def _backend_rules(_cfg):
     import consistent_ops as co
     try:
@@ -157,7 +177,8 @@ def _backend_rules(_cfg):
 
 
 def problems(cfg) -> list:
-    return [*_rollout_rules(cfg), *_actor_rules(cfg), *_model_rules(cfg), *_backend_rules(cfg)]
+    return [*_rollout_rules(cfg), *_routing_replay_rules(cfg), *_actor_rules(cfg), *_model_rules(cfg),
+            *_backend_rules(cfg)]
 
 
 def check(cfg) -> None:
