@@ -83,6 +83,22 @@ def test_config_hook_completes_the_engine_config_and_refuses_bad_tp(tmp_path):
     assert "num_experts=8 is not divisible" in got["tp3"]
 
 
+def test_v2_runner_without_logits_processors_runs_v1(monkeypatch):
+    """vLLM 0.26's V2 runner (its default for dense models) takes no logits processors: the
+    hook picks V1 for every process vLLM starts; a V2 runner asked for explicitly is refused."""
+    from true_on_policy.vllm import compat
+    monkeypatch.setenv(compat.V2_RUNNER_ENV, "1")
+    monkeypatch.setattr(compat, "_v2_takes_logits_processors", lambda: False)
+    with pytest.raises(ValueError, match=f"{compat.V2_RUNNER_ENV}=1 but this vLLM"):
+        compat.use_v2_runner(SimpleNamespace(use_v2_model_runner=True))
+    monkeypatch.delenv(compat.V2_RUNNER_ENV)
+    assert compat.use_v2_runner(SimpleNamespace(use_v2_model_runner=True)) is False
+    assert os.environ[compat.V2_RUNNER_ENV] == "0"
+    assert compat.use_v2_runner(SimpleNamespace(use_v2_model_runner=False)) is False
+    monkeypatch.setattr(compat, "_v2_takes_logits_processors", lambda: True)   # 0.31: V2 as vLLM chose
+    assert compat.use_v2_runner(SimpleNamespace(use_v2_model_runner=True)) is True
+
+
 def test_entry_point_is_installed():
     from importlib.metadata import entry_points
     values = [e.value for e in entry_points(group="vllm.general_plugins")]
@@ -281,6 +297,7 @@ def test_v1_processor_rows_are_the_contract_logprobs_after_moves():
 
 
 def _processor_v2(monkeypatch, slots=4):
+    pytest.importorskip("vllm.v1.worker.gpu.sample.logits_processor", reason="this vLLM's V2 runner takes none")
     from true_on_policy.vllm import sampling_v2
     monkeypatch.setattr(sampling_v2, "tokenizer_length", lambda _model_config: 90)
     return sampling_v2.ContractLogProbsV2(SimpleNamespace(model_config=None),

@@ -8,6 +8,7 @@ from vllm.model_executor.models.config import VerifyAndUpdateConfig
 from true_on_policy import scheme
 from true_on_policy.models import ModelConfig
 
+from . import compat
 from .sampling import V1_PROCESSOR, V2_PROCESSOR
 
 log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
@@ -40,7 +41,7 @@ def configure_sampling(vllm_config) -> None:
         log.warning("true_on_policy: logprobs_mode %s -> %s (exact log-probs need it)", mc.logprobs_mode,
                     LOGPROBS_MODE)
         mc.logprobs_mode = LOGPROBS_MODE
-    path = V2_PROCESSOR if vllm_config.use_v2_model_runner else V1_PROCESSOR
+    path = V2_PROCESSOR if compat.use_v2_runner(vllm_config) else V1_PROCESSOR
     procs = list(mc.logits_processors or [])
     if path not in procs:
         mc.logits_processors = procs + [path]
