@@ -161,6 +161,9 @@ ACCUMULATION = {
 # of that text. Both are invariant by construction; they give different bits.
 CPU_ACCUMULATION_ENV = "CONSISTENT_OPS_CPU_ACCUMULATION"
 CPU_ACCUMULATION_DEFAULT = "fp32"
+# Where the CPU has VDPBF16PS (flag avx512_bf16: AMD Zen 4/5, Intel Cooper Lake and later) the
+# unset variable picks this one instead (native.default_accumulation): a function of the host.
+CPU_ACCUMULATION_BF16 = "bf16"
 CPU_ACCUMULATION = {
     "fp64": None,
     "fp32": {
@@ -181,8 +184,24 @@ CPU_ACCUMULATION = {
             "exp(r) by fma Horner, times 2^n, rounded to fp32 (dot32.c exp32_rows; exp(0) = 1); "
             "sqrt: IEEE (libm sqrtf)"),
     },
+    "bf16": {
+        "cpu_accumulation": "bf16",
+        "contract_dot": (
+            "CPU tensors, both operands bf16: k in 16 fp32 lanes of pairs, lane j holding (k, k+1) = "
+            "(32i + 2j, 32i + 2j + 1), i ascending (zero-padded to a multiple of 32), each pair as VDPBF16PS "
+            "(Intel SDM) does it: acc = ftz(fma(a[k+1], b[k+1], acc)) then acc = ftz(fma(a[k], b[k], acc)), "
+            "round to nearest even, bf16 denormal operands read as zero (DAZ), denormal results flushed to "
+            "a zero of their sign (FTZ), MXCSR not consulted, acc from +0 (reference/dot32.c dot32p); "
+            "lanes reduced by the fp32 realisation's tree; register blocks share loads, never sums; one "
+            "thread per output; CPUs without avx512_bf16 run the same steps per lane in C (same bits); "
+            "any other operand dtypes: the fp32 realisation's lanes; fp64 operands and other devices: as "
+            "the reference text"),
+        "reductions": "as the fp32 realisation",
+        "attention": (
+            "as the fp32 realisation (reference/dot32.c attend32p), except q.k of bf16 q and K in the "
+            "bf16 pair lanes above; p.v (p fp32) and the row sums of p in the fp32 lanes"),
+    },
 }
-
 
 def contract_text(backend: str, realisation=None) -> str:
     """The canonical text both engines hash: common rules + this backend's realisation

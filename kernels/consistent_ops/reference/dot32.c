@@ -136,6 +136,119 @@ static void widen_b32(const char *base, int dt, int64_t sn, int64_t sk, int64_t 
     }
 }
 
+/* The "bf16" realisation's order (contract.py CPU_ACCUMULATION["bf16"]) for two BF16 operands:
+ * 16 fp32 lanes, lane j holding the pairs (k, k+1) = (32i + 2j, 32i + 2j + 1), i ascending
+ * (k zero-padded to a multiple of 32), each pair as VDPBF16PS does it (Intel SDM; checked bit
+ * for bit on 20M random and adversarial inputs on an AMD Zen 4): acc = ftz(fma(a[k+1], b[k+1],
+ * acc)), then acc = ftz(fma(a[k], b[k], acc)), RNE, bf16 denormal inputs read as 0 (DAZ), a
+ * denormal result flushed to a zero of its sign (FTZ), MXCSR not consulted; acc from +0; then
+ * the lane tree of finish16. Without AVX512_BF16 the same steps run per lane in C (pair16). */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static inline v16 pair16(const uint16_t *a, const uint16_t *b, v16 acc) {
+    v16 r = {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b))};
+    return r;
+}
+#else
+static inline float daz_bf16(uint16_t h) { return (h & 0x7F80) ? bf16_to_float(h) : 0.0f * bf16_to_float(h); }
+static inline float ftz32(float x) { return fabsf(x) < 0x1p-126f ? copysignf(0.0f, x) : x; }
+static inline v16 pair16(const uint16_t *a, const uint16_t *b, v16 acc) {
+    float l[LANES];
+    store16(l, acc);
+    for (int j = 0; j < LANES; j++) {
+        float c = ftz32(l[j]);
+        c = ftz32(fmaf(daz_bf16(a[2 * j + 1]), daz_bf16(b[2 * j + 1]), c));
+        l[j] = ftz32(fmaf(daz_bf16(a[2 * j]), daz_bf16(b[2 * j]), c));
+    }
+    return load16(l);
+}
+#endif
+enum { PAIR_K = 2 * LANES };
+
+/* block32 in the pair order: rows of kp (a multiple of PAIR_K) bf16 values, a row i of A at
+ * a + i * lda, a row j of B at b[j] (nr rows, b holds nr rounded up to 3). */
+static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16_t *const *b, int64_t nr,
+                        int64_t kp, float *out, int64_t ldo) {
+    for (int64_t j0 = 0; j0 < nr; j0 += 3) {
+        const uint16_t *b0 = b[j0], *b1 = b[j0 + 1], *b2 = b[j0 + 2];
+        const int64_t nj = nr - j0 < 3 ? nr - j0 : 3;
+        for (int64_t i = 0; i < mr; i += 2) {
+            const uint16_t *a0 = a + i * lda, *a1 = i + 1 < mr ? a0 + lda : a0;
+            v16 c00 = zero16(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+            for (int64_t k = 0; k < kp; k += PAIR_K) {
+                c00 = pair16(a0 + k, b0 + k, c00); c10 = pair16(a1 + k, b0 + k, c10);
+                c01 = pair16(a0 + k, b1 + k, c01); c11 = pair16(a1 + k, b1 + k, c11);
+                c02 = pair16(a0 + k, b2 + k, c02); c12 = pair16(a1 + k, b2 + k, c12);
+            }
+            const float r0[3] = {finish16(c00), finish16(c01), finish16(c02)};
+            const float r1[3] = {finish16(c10), finish16(c11), finish16(c12)};
+            for (int64_t t = 0; t < nj; t++) out[i * ldo + j0 + t] = r0[t];
+            if (i + 1 < mr)
+                for (int64_t t = 0; t < nj; t++) out[(i + 1) * ldo + j0 + t] = r1[t];
+        }
+    }
+}
+
+/* n bf16 at stride s -> dst[0..kp), zero padded. */
+static void copy_bf16(const uint16_t *src, int64_t n, int64_t s, int64_t kp, uint16_t *dst) {
+    if (s == 1) memcpy(dst, src, (size_t)n * 2);
+    else for (int64_t i = 0; i < n; i++) dst[i] = src[i * s];
+    memset(dst + n, 0, (size_t)(kp - n) * 2);
+}
+
+/* dot32 for two BF16 operands in the pair order. Rows read in place where k is contiguous and
+ * K a multiple of PAIR_K (weights, activations), else copied and padded. */
+static int dot_pairs(const int64_t *shape, const char *A, const int64_t *sa, const char *B, const int64_t *sb,
+                     const int64_t *mlen, float *out) {
+    const int64_t M = shape[3], N = shape[4], K = shape[5];
+    const int64_t kp = (K + PAIR_K - 1) / PAIR_K * PAIR_K;
+    const int a_direct = sa[4] == 1 && kp == K, b_direct = sb[4] == 1 && kp == K;
+    int64_t mb = kp ? 2 * ABUF_FLOATS / kp : M;
+    mb = mb < 2 ? 2 : mb > M ? M : mb;
+    int64_t nb = N * kp <= 2 * BFULL_FLOATS ? N : (2 * BBUF_FLOATS / kp) / 3 * 3;
+    if (nb < 3) nb = 3;
+    const int64_t nbp = (nb + 2) / 3 * 3;
+    char *buf = scratch_bytes((size_t)((a_direct ? 0 : mb * kp) + (b_direct ? 0 : nbp * kp) + PAIR_K) * 2
+                              + (size_t)nbp * sizeof(void *));
+    if (!buf) return -1;
+    const uint16_t **brow = (const uint16_t **)buf;
+    uint16_t *abuf = (uint16_t *)(buf + nbp * sizeof(void *)), *bbuf = abuf + (a_direct ? 0 : mb * kp);
+    int64_t b = 0;
+    for (int64_t b0 = 0; b0 < shape[0]; b0++)
+    for (int64_t b1 = 0; b1 < shape[1]; b1++)
+    for (int64_t b2 = 0; b2 < shape[2]; b2++, b++) {
+        const uint16_t *Ab = (const uint16_t *)A + b0 * sa[0] + b1 * sa[1] + b2 * sa[2];
+        const uint16_t *Bb = (const uint16_t *)B + b0 * sb[0] + b1 * sb[1] + b2 * sb[2];
+        float *ob = out + b * M * N;
+        const int64_t rows = mlen && mlen[b] < M ? (mlen[b] > 0 ? mlen[b] : 0) : M;
+        memset(ob + rows * N, 0, (size_t)((M - rows) * N) * sizeof(float));
+        for (int64_t n0 = 0; n0 < N && rows; n0 += nb) {
+            const int64_t nr = N - n0 < nb ? N - n0 : nb;
+            for (int64_t j = 0; j < (nr + 2) / 3 * 3; j++) {
+                const int64_t n = n0 + (j < nr ? j : 0);          /* pad rows: any row, never stored */
+                if (b_direct) brow[j] = Bb + n * sb[3];
+                else if (sb[3] != 1 || sb[4] == 1 || j >= nr) {
+                    copy_bf16(Bb + n * sb[3], K, sb[4], kp, bbuf + j * kp);
+                    brow[j] = bbuf + j * kp;
+                } else {                                          /* contiguous in n: k runs transposed */
+                    for (int64_t k = 0; k < K; k++) bbuf[j * kp + k] = Bb[n + k * sb[4]];
+                    memset(bbuf + j * kp + K, 0, (size_t)(kp - K) * 2);
+                    brow[j] = bbuf + j * kp;
+                }
+            }
+            for (int64_t m0 = 0; m0 < rows; m0 += mb) {
+                const int64_t mr = rows - m0 < mb ? rows - m0 : mb;
+                if (a_direct) {
+                    block_pairs(Ab + m0 * sa[3], sa[3], mr, brow, nr, kp, ob + m0 * N + n0, N);
+                    continue;
+                }
+                for (int64_t i = 0; i < mr; i++) copy_bf16(Ab + (m0 + i) * sa[3], K, sa[4], kp, abuf + i * kp);
+                block_pairs(abuf, kp, mr, brow, nr, kp, ob + m0 * N + n0, N);
+            }
+        }
+    }
+    return 0;
+}
+
 /* The batched contraction of dot64.c (same arguments: shape {nb0, nb1, nb2, M, N, K}, A
  * strides {b0, b1, b2, m, k}, B strides {b0, b1, b2, n, k}, mlen, contiguous fp32 out) in the
  * fp32 order above. Operands F32 or BF16. Returns 0, or -1 when out of memory. */
@@ -174,6 +287,13 @@ int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
         }
     }
     return 0;
+}
+
+/* dot32 in the "bf16" realisation: two BF16 operands in the pair order, others as dot32. */
+int dot32p(const int64_t *shape, const char *A, int ta, const int64_t *sa,
+           const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
+    if (ta == BF16 && tb == BF16) return dot_pairs(shape, A, sa, B, sb, mlen, out);
+    return dot32(shape, A, ta, sa, B, tb, sb, mlen, out);
 }
 
 /* The lane sum of x[0..n-1] (plain adds, lane j: n = j, j+16, ... ascending; the tree above). */
@@ -251,19 +371,26 @@ void rms_norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, co
 }
 
 /* dot64.c's attend64 (same arguments and loop) with the contractions and the row sums of p
- * in this file's order; exp by exp32_rows. */
-int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
-             int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
-             float scale, float *out) {
+ * in this file's order; exp by exp32_rows. pairs: q.k of BF16 q and K in the pair order. */
+static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
+                        int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
+                        float scale, float *out, int pairs) {
     const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
     const int64_t dp = (D + LANES - 1) / LANES * LANES, kvp = (KVB + LANES - 1) / LANES * LANES;
     const int64_t dpad = (D + 2) / 3 * 3, npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
-    const size_t need = (size_t)(R * dp + npad * dp + dpad * kvp + R * kvp + R * kvp + R * dp + 2 * R + 64);
+    const int64_t dq = (D + PAIR_K - 1) / PAIR_K * PAIR_K;       /* pair rows (bf16) */
+    pairs = pairs && tq == BF16 && tkv == BF16;
+    const size_t need = (size_t)(R * dp + npad * dp + dpad * kvp + R * kvp + R * kvp + R * dp + 2 * R + 64)
+                        + (pairs ? (size_t)((R + npad) * dq / 2 + npad * 2 + 16) : 0);
     float *buf = scratch_bytes(need * sizeof(float));
     if (!buf) return -1;
     float *qb = buf, *kb = qb + R * dp, *vt = kb + npad * dp, *pb = vt + dpad * kvp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
     memset(kb, 0, (size_t)(npad * dp + dpad * kvp + R * kvp) * sizeof(float));   /* pads stay 0 */
+    const uint16_t **krow = (const uint16_t **)(((uintptr_t)(lrow + R) + 63) & ~(uintptr_t)63);
+    uint16_t *qb16 = (uint16_t *)(krow + npad), *kb16 = qb16 + R * dq;
+    if (pairs)
+        for (int64_t n = 0; n < npad; n++) krow[n] = kb16 + (n < KVB ? n : 0) * dq;
     for (int64_t s = 0; s < S; s++)
     for (int64_t h = 0; h < H; h++) {
         const int64_t *ts = tok + s * L;
@@ -271,8 +398,12 @@ int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
         const int64_t *qp = qpos + s * R;
         float *o = out + (s * H + h) * R * D;
         for (int64_t r = 0; r < R; r++) {
-            widen32(Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq, tq, D, 1, qb + r * dp);
-            memset(qb + r * dp + D, 0, (size_t)(dp - D) * sizeof(float));
+            const char *qr = Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq;
+            if (pairs) copy_bf16((const uint16_t *)qr, D, 1, dq, qb16 + r * dq);
+            else {
+                widen32(qr, tq, D, 1, qb + r * dp);
+                memset(qb + r * dp + D, 0, (size_t)(dp - D) * sizeof(float));
+            }
             mrow[r] = -INFINITY;
             lrow[r] = 0.0f;
             for (int64_t d = 0; d < D; d++) o[r * D + d] = 0.0f;
@@ -287,7 +418,8 @@ int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
                     prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
                     prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
                 }
-                widen32(kr, tkv, D, kvs[1], kb + n * dp);
+                if (pairs) copy_bf16((const uint16_t *)kr, D, kvs[1], dq, kb16 + n * dq);
+                else widen32(kr, tkv, D, kvs[1], kb + n * dp);
                 if (pos < slen) {                            /* V transposed: rows d of positions */
                     if (tkv == F32) for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = ((const float *)vr)[d * kvs[1]];
                     else for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = bf16_to_float(((const uint16_t *)vr)[d * kvs[1]]);
@@ -295,7 +427,8 @@ int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
                     for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = 0.0f;
                 }
             }
-            block32(qb, R, kb, KVB, dp, sbuf, kvp);          /* sbuf[r][n] = contract_dot(q, k) */
+            if (pairs) block_pairs(qb16, dq, R, krow, KVB, dq, sbuf, kvp);   /* sbuf[r][n] = contract_dot(q, k) */
+            else block32(qb, R, kb, KVB, dp, sbuf, kvp);
             for (int64_t r = 0; r < R; r++) {
                 float *sr = sbuf + r * kvp, bm = -INFINITY;
                 for (int64_t n = 0; n < KVB; n++) {
@@ -321,4 +454,17 @@ int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
             for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lrow[r];
     }
     return 0;
+}
+
+int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
+             int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
+             float scale, float *out) {
+    return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, 0);
+}
+
+/* attend32 in the "bf16" realisation: q.k of BF16 operands in the pair order; p.v (p fp32) as attend32. */
+int attend32p(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
+              int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
+              float scale, float *out) {
+    return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, 1);
 }

@@ -1,7 +1,8 @@
 """The reference backend's contraction on CPU tensors: dot64.c and dot32.c, built once per machine.
 
-Which of the two realisations runs (contract.CPU_ACCUMULATION: fp32 lanes with FMA, or fp64
-lanes) is ``accumulation()``, read from $CONSISTENT_OPS_CPU_ACCUMULATION; fp64 operands always
+Which realisation runs (contract.CPU_ACCUMULATION: bf16 pairs by VDPBF16PS, fp32 lanes with FMA,
+or fp64 lanes) is ``accumulation()``, read from $CONSISTENT_OPS_CPU_ACCUMULATION (unset: bf16
+where the CPU has avx512_bf16, else fp32); fp64 operands always
 take the fp64 kernel (their products are exact only there). The C sources are compiled with
 the system C compiler on first use into ``$CONSISTENT_OPS_CACHE`` (default
 ``~/.cache/consistent_ops``), keyed by the sources, the flags and the CPU's feature flags, and
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..contract import CPU_ACCUMULATION, CPU_ACCUMULATION_DEFAULT, CPU_ACCUMULATION_ENV, KV_BLOCK
+from ..contract import CPU_ACCUMULATION, CPU_ACCUMULATION_BF16, CPU_ACCUMULATION_DEFAULT, CPU_ACCUMULATION_ENV, KV_BLOCK
 
 SOURCES = [Path(__file__).with_name("dot64.c"), Path(__file__).with_name("dot32.c")]
 HEADER = Path(__file__).with_name("native.h")                      # included by both
@@ -77,7 +78,8 @@ def library():
             lib = ctypes.CDLL(str(_build()))
             p = ctypes.c_void_p
             i64 = ctypes.c_int64
-            for dot, attend, norm in (("dot64", "attend64", "rms_norm_rows"), ("dot32", "attend32", "rms_norm_rows32")):
+            for dot, attend, norm in (("dot64", "attend64", "rms_norm_rows"), ("dot32", "attend32", "rms_norm_rows32"),
+                                      ("dot32p", "attend32p", "rms_norm_rows32")):
                 getattr(lib, dot).argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p]
                 getattr(lib, dot).restype = ctypes.c_int
                 getattr(lib, attend).argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p, ctypes.c_float, p]
@@ -99,17 +101,27 @@ def _operand(x):
 
 
 def accumulation() -> str:
-    """The CPU realisation this process runs: a key of contract.CPU_ACCUMULATION."""
-    name = os.environ.get(CPU_ACCUMULATION_ENV) or CPU_ACCUMULATION_DEFAULT
+    """The CPU realisation this process runs: a key of contract.CPU_ACCUMULATION; unset, the
+    CPU's (default_accumulation)."""
+    name = os.environ.get(CPU_ACCUMULATION_ENV) or default_accumulation()
     if name not in CPU_ACCUMULATION:
         raise ValueError(f"{CPU_ACCUMULATION_ENV}={name!r} is not a CPU accumulation; use one of "
                          f"{', '.join(sorted(CPU_ACCUMULATION))}")
     return name
 
 
+def default_accumulation() -> str:
+    """contract.CPU_ACCUMULATION_BF16 where this CPU has the bf16 dot instruction (VDPBF16PS, flag
+    avx512_bf16), else CPU_ACCUMULATION_DEFAULT: a function of the host, so every process of a
+    job on one machine (trainer, vLLM workers) picks the same, and the fingerprint names it."""
+    return CPU_ACCUMULATION_BF16 if "avx512_bf16" in _cpu_flags().split() else CPU_ACCUMULATION_DEFAULT
+
+
 def _kernel(*tensors) -> str:
-    """"32" (dot32.c) or "64" (dot64.c) for these operands."""
-    return "32" if accumulation() == "fp32" and all(t.dtype != torch.float64 for t in tensors) else "64"
+    """"32p" (dot32.c, bf16 pairs), "32" (dot32.c) or "64" (dot64.c) for these operands."""
+    if any(t.dtype == torch.float64 for t in tensors):
+        return "64"
+    return {"fp32": "32", CPU_ACCUMULATION_BF16: "32p"}.get(accumulation(), "64")
 
 
 def dot64_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
@@ -125,6 +137,11 @@ def dot32_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     return _matmul(a, b, rows, "32")
 
 
+def dot32p_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
+    """dot32_matmul in the "bf16" realisation: two bf16 operands in VDPBF16PS pairs, others as dot32."""
+    return _matmul(a, b, rows, "32p")
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     """The contraction of this process's accumulation() (fp64 operands: dot64)."""
     a, b = _operand(a), _operand(b)
@@ -133,7 +150,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
 
 def _matmul(a, b, rows, kernel):
     a, b = _operand(a), _operand(b)
-    if kernel == "32" and torch.float64 in (a.dtype, b.dtype):
+    if kernel != "64" and torch.float64 in (a.dtype, b.dtype):
         raise TypeError("dot32_matmul: fp64 operands would be rounded; use dot64_matmul (or matmul)")
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     if rows is None and b.dim() == 2 and a.dim() > 2:   # a shared matrix: fold a's batch into M
@@ -204,7 +221,7 @@ def rms_norm(x, weight, eps, residual=None):
     w = weight.to(x.dtype).contiguous()
     out = torch.empty(x.shape, dtype=x.dtype)
     res_out = None if res is None else torch.empty(x.shape, dtype=x.dtype)
-    norm = library().rms_norm_rows32 if _kernel(x) == "32" else library().rms_norm_rows
+    norm = library().rms_norm_rows if _kernel(x) == "64" else library().rms_norm_rows32
     norm(rows.shape[0], h, DTYPES[x.dtype], rows.data_ptr(), rows.stride(0),
                             None if res is None else res.data_ptr(), 0 if res is None else res.stride(0),
                             w.data_ptr(), eps, out.data_ptr(), None if res_out is None else res_out.data_ptr())
