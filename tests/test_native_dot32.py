@@ -1,4 +1,5 @@
-"""The reference backend's fp32 CPU realisation (dot32.c: 16 FMA lanes, one lane tree).
+"""The reference backend's fp32 CPU realisation (dot32.c: 16 FMA lanes, one lane tree) and its
+bf16 realisation (dot32.c dot32p: VDPBF16PS pairs in the same lanes, or their C emulation).
 
 Bitwise: the same bits for any batch composition, M, row order, layout, thread count and
 ISA build (the scalar fmaf path vs this machine's vector path); the lane order, the tree
@@ -36,31 +37,36 @@ def test_lanes_tree_and_fma_decide_bits():
     assert _one_dot([1.0] + [0.0] * 15 + [e], [-(1.0 + 2.0 ** -11)] + [0.0] * 15 + [e]) == 2.0 ** -24
 
 
-def test_accuracy_against_fp64():
+@pytest.mark.parametrize("dot", [native.dot32_matmul, native.dot32p_matmul])
+def test_accuracy_against_fp64(dot):
     for m, k, n in [(1, 1, 1), (3, 5, 7), (32, 256, 512), (17, 130, 33), (2, 4099, 3)]:
         a, b = _x(m, k, seed=1), _x(k, n, seed=2)
         exact = a.double() @ b.double()
         bound = 2 * k * 2.0 ** -24 * (a.double().abs() @ b.double().abs()) + 1e-30
-        assert ((native.dot32_matmul(a, b).double() - exact).abs() <= bound).all()
+        assert ((dot(a, b).double() - exact).abs() <= bound).all()
 
 
-def test_same_bits_for_any_batch_rows_layout_threads():
-    a, w = _x(40, 300, seed=3, dtype=torch.float32), _x(70, 300, seed=4)
-    ref = native.dot32_matmul(a, w.t())
-    assert torch.equal(native.dot32_matmul(a, w.t().contiguous()), ref)      # B contiguous in n
+@pytest.mark.parametrize("dot, dtype, k", [(native.dot32_matmul, torch.float32, 300),
+                                            (native.dot32p_matmul, torch.bfloat16, 300),
+                                            (native.dot32p_matmul, torch.bfloat16, 320)])  # rows read in place
+def test_same_bits_for_any_batch_rows_layout_threads(dot, dtype, k):
+    a, w = _x(40, k, seed=3, dtype=dtype), _x(70, k, seed=4)
+    ref = dot(a, w.t())
+    assert torch.equal(dot(a, w.t().contiguous()), ref)      # B contiguous in n
+    assert torch.equal(dot(a.t().contiguous().t(), w.t()), ref)    # A strided in k
     for m in (1, 2, 3, 7, 33):
-        assert torch.equal(native.dot32_matmul(a[5:5 + m], w.t()), ref[5:5 + m])
+        assert torch.equal(dot(a[5:5 + m], w.t()), ref[5:5 + m])
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(native.dot32_matmul(a[perm], w.t()), ref[perm])
-    mixed = torch.cat([a[:9], _x(11, 300, seed=6, dtype=torch.float32)])    # another batch around row 0..8
-    assert torch.equal(native.dot32_matmul(mixed, w.t())[:9], ref[:9])
-    assert torch.equal(native.dot32_matmul(a.expand(2, -1, -1), w.t())[1], ref)
+    assert torch.equal(dot(a[perm], w.t()), ref[perm])
+    mixed = torch.cat([a[:9], _x(11, k, seed=6, dtype=dtype)])    # another batch around row 0..8
+    assert torch.equal(dot(mixed, w.t())[:9], ref[:9])
+    assert torch.equal(dot(a.expand(2, -1, -1), w.t())[1], ref)
     old = torch.get_num_threads()
     try:
         outs = []
         for t in (1, 2):
             torch.set_num_threads(t)
-            outs.append(native.dot32_matmul(a, w.t()))
+            outs.append(dot(a, w.t()))
     finally:
         torch.set_num_threads(old)
     assert torch.equal(outs[0], ref) and torch.equal(outs[1], ref)
@@ -73,14 +79,21 @@ def test_naive_fp32_matmul_depends_on_m():
 
 
 def test_scalar_build_gives_the_same_bits(tmp_path, monkeypatch):
-    """The portable build (no -march=native: no FMA or AVX, scalar fmaf) against this
-    machine's: the order is the contract's, not the ISA's."""
+    """The portable build (no -march=native: no FMA or AVX, scalar fmaf; no VDPBF16PS, its C
+    emulation) against this machine's: the order is the contract's, not the ISA's. In both
+    realisations (bf16: tiny and denormal operands too, where DAZ/FTZ decide)."""
     a, w = _x(9, 333, seed=9), _x(13, 333, seed=10)
+    tiny = (_x(9, 64, seed=22) * 2.0 ** -63).bfloat16()      # products near and below 2^-126
+    tiny[0, :8] = torch.tensor([2.0 ** -130, -(2.0 ** -128), 2.0 ** -133, 1.0, 2.0 ** -127, 3.0, -(2.0 ** -131), 2.0 ** 60])
     q, k, v = _x(1, 2, 70, 32, seed=11), _x(80, 1, 32, seed=12), _x(80, 1, 32, seed=13)
     def run():
-        token = torch.arange(128)[None, :].clamp(max=79) * 32
-        att = native.attend(q, k, v, token, 0, 1, torch.tensor([list(range(70))]), torch.tensor([80]), 0.17)
-        return native.dot32_matmul(a, w.t()), att, native.rms_norm(a, w[0, :333], 1e-6)
+        out = []
+        for name in ("fp32", "bf16"):
+            monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
+            token = torch.arange(128)[None, :].clamp(max=79) * 32
+            out.append(native.attend(q, k, v, token, 0, 1, torch.tensor([list(range(70))]), torch.tensor([80]), 0.17))
+        return (native.dot32_matmul(a, w.t()), native.dot32p_matmul(a, w.t()), native.dot32p_matmul(tiny, tiny.t()),
+                native.rms_norm(a, w[0, :333], 1e-6), *out)
     fast = run()
     monkeypatch.setattr(native, "CFLAGS", [f for f in native.CFLAGS if f != "-march=native"])
     monkeypatch.setenv("CONSISTENT_OPS_CACHE", str(tmp_path))
@@ -91,14 +104,39 @@ def test_scalar_build_gives_the_same_bits(tmp_path, monkeypatch):
 def test_realisation_is_in_the_fingerprint_and_bits_differ(monkeypatch):
     a, w = _x(8, 512, seed=14), _x(16, 512, seed=15)
     seen = {}
-    for name in ("fp32", "fp64"):
+    for name in ("fp32", "fp64", "bf16"):
         monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
         seen[name] = (co.contract_fingerprint(), co.linear(a, w, out_dtype=torch.float32))
-    assert seen["fp32"][0] != seen["fp64"][0]
-    assert not torch.equal(seen["fp32"][1], seen["fp64"][1])
+    for x, y in (("fp32", "fp64"), ("bf16", "fp32"), ("bf16", "fp64")):
+        assert seen[x][0] != seen[y][0]
+        assert not torch.equal(seen[x][1], seen[y][1])
 
 
-@pytest.mark.parametrize("name", ["fp32", "fp64"])
+def test_default_follows_the_cpu(monkeypatch):
+    monkeypatch.delenv(contract.CPU_ACCUMULATION_ENV, raising=False)
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu avx2 avx512f avx512_bf16")
+    assert native.accumulation() == "bf16"
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu avx2 fma")
+    assert native.accumulation() == "fp32"
+
+
+def test_pair_order_ftz_and_daz_decide_bits():
+    """Lane 0 holds k = 0, 1, 32, 33; each pair adds its odd product first: 2^30 (k = 1), then
+    -2^30 (k = 33), then 1 (k = 32) give 1; the two swapped, 2^30 + 1 rounds to 2^30 first: 0.
+    A product below 2^-126 is flushed (the fp32 FMA realisation keeps it), and so is a
+    denormal bf16 operand."""
+    def pair_dot(xa, xb):
+        a, b = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 1, dtype=torch.bfloat16)
+        for k, x, y in zip((1, 32, 33, 0), xa, xb):
+            a[0, k], b[k, 0] = x, y
+        return native.dot32p_matmul(a, b).item(), native.dot32_matmul(a, b).item()
+    assert pair_dot([2.0 ** 30, 1.0, -(2.0 ** 30)], [1.0] * 3)[0] == 1.0
+    assert pair_dot([2.0 ** 30, -(2.0 ** 30), 1.0], [1.0] * 3)[0] == 0.0
+    assert pair_dot([2.0 ** -70], [2.0 ** -70]) == (0.0, 2.0 ** -140)
+    assert pair_dot([2.0 ** -130], [2.0 ** 10]) == (0.0, 2.0 ** -120)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp64", "bf16"])
 def test_trainer_and_rollout_paths_agree(name, monkeypatch):
     """Autograd forward (trainer) and no-grad forward (rollout) of linear, RMSNorm and
     attention give the same bits in each realisation; gradients flow."""
