@@ -55,8 +55,13 @@ static inline void store16(float *p, v16 a) { memcpy(p, a.v, sizeof a.v); }
 
 /* The fixed lane tree (header comment); the AVX2 steps are that tree on registers. */
 static inline float finish16(v16 acc) {
-#if defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__FMA__)
+#if defined(__AVX512F__)
+    const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(acc.v),                     /* t_i, i < 8 */
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc.v), 1)));
+#else
     const __m256 t = _mm256_add_ps(acc.lo, acc.hi);                                   /* t_i, i < 8 */
+#endif
     const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)); /* u_i, i < 4 */
     const __m128 w = _mm_add_ps(u, _mm_movehl_ps(u, u));                              /* u_0+u_2, u_1+u_3 */
     return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
@@ -67,6 +72,22 @@ static inline float finish16(v16 acc) {
     for (int i = 0; i < 8; i++) t[i] = l[i] + l[i + 8];
     for (int i = 0; i < 4; i++) u[i] = t[i] + t[i + 4];
     return (u[0] + u[2]) + (u[1] + u[3]);
+#endif
+}
+
+/* finish16 of four accumulators at once, the same tree in every step (AVX-512: 128-bit
+ * quarters moved by shuffles, each add one of the tree's adds for several outputs). */
+static inline void finish16x4(v16 a, v16 b, v16 c, v16 d, float *r) {
+#if defined(__AVX512F__)
+    const __m512 tab = _mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x44), _mm512_shuffle_f32x4(a.v, b.v, 0xEE));
+    const __m512 tcd = _mm512_add_ps(_mm512_shuffle_f32x4(c.v, d.v, 0x44), _mm512_shuffle_f32x4(c.v, d.v, 0xEE));
+    /* tab = [t(a) t(b)], tcd = [t(c) t(d)]; u_i = t_i + t_(i+4) per output, one quarter each */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(tab, tcd, 0x88), _mm512_shuffle_f32x4(tab, tcd, 0xDD));
+    const __m512 w = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));                 /* u_0+u_2, u_1+u_3 */
+    const __m512 f = _mm512_add_ps(w, _mm512_permute_ps(w, 0xB1));                 /* w_0 + w_1 */
+    _mm_storeu_ps(r, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), f)));
+#else
+    r[0] = finish16(a); r[1] = finish16(b); r[2] = finish16(c); r[3] = finish16(d);
 #endif
 }
 
@@ -162,28 +183,29 @@ static inline v16 pair16(const uint16_t *a, const uint16_t *b, v16 acc) {
     return load16(l);
 }
 #endif
-enum { PAIR_K = 2 * LANES };
+enum { PAIR_K = 2 * LANES, PAIR_COLS = 4 };   /* register blocks: 4 rows x PAIR_COLS columns */
 
-/* block32 in the pair order: rows of kp (a multiple of PAIR_K) bf16 values, a row i of A at
- * a + i * lda, a row j of B at b[j] (nr rows, b holds nr rounded up to 3). */
+/* block32 in the pair order (register blocks of 4 x 3 outputs): rows of kp (a multiple of
+ * PAIR_K) bf16 values, a row i of A at a + i * lda, a row j of B at b[j] (nr rows, b holds nr
+ * rounded up to 3). */
 static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16_t *const *b, int64_t nr,
                         int64_t kp, float *out, int64_t ldo) {
-    for (int64_t j0 = 0; j0 < nr; j0 += 3) {
-        const uint16_t *b0 = b[j0], *b1 = b[j0 + 1], *b2 = b[j0 + 2];
-        const int64_t nj = nr - j0 < 3 ? nr - j0 : 3;
-        for (int64_t i = 0; i < mr; i += 2) {
-            const uint16_t *a0 = a + i * lda, *a1 = i + 1 < mr ? a0 + lda : a0;
-            v16 c00 = zero16(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-            for (int64_t k = 0; k < kp; k += PAIR_K) {
-                c00 = pair16(a0 + k, b0 + k, c00); c10 = pair16(a1 + k, b0 + k, c10);
-                c01 = pair16(a0 + k, b1 + k, c01); c11 = pair16(a1 + k, b1 + k, c11);
-                c02 = pair16(a0 + k, b2 + k, c02); c12 = pair16(a1 + k, b2 + k, c12);
+    for (int64_t j0 = 0; j0 < nr; j0 += PAIR_COLS) {
+        const int64_t nj = nr - j0 < PAIR_COLS ? nr - j0 : PAIR_COLS;
+        for (int64_t i = 0; i < mr; i += 4) {
+            const int64_t mi = mr - i < 4 ? mr - i : 4;
+            const uint16_t *ar[4];
+            for (int64_t r = 0; r < 4; r++) ar[r] = a + (i + (r < mi ? r : 0)) * lda;   /* tail rows: recomputed, not stored */
+            v16 c[PAIR_COLS][4];
+            for (int64_t t = 0; t < PAIR_COLS; t++) c[t][0] = c[t][1] = c[t][2] = c[t][3] = zero16();
+            for (int64_t k = 0; k < kp; k += PAIR_K)
+                for (int64_t t = 0; t < PAIR_COLS; t++)
+                    for (int64_t r = 0; r < 4; r++) c[t][r] = pair16(ar[r] + k, b[j0 + t] + k, c[t][r]);
+            for (int64_t t = 0; t < nj; t++) {
+                float f[4];
+                finish16x4(c[t][0], c[t][1], c[t][2], c[t][3], f);
+                for (int64_t r = 0; r < mi; r++) out[(i + r) * ldo + j0 + t] = f[r];
             }
-            const float r0[3] = {finish16(c00), finish16(c01), finish16(c02)};
-            const float r1[3] = {finish16(c10), finish16(c11), finish16(c12)};
-            for (int64_t t = 0; t < nj; t++) out[i * ldo + j0 + t] = r0[t];
-            if (i + 1 < mr)
-                for (int64_t t = 0; t < nj; t++) out[(i + 1) * ldo + j0 + t] = r1[t];
         }
     }
 }
@@ -204,9 +226,9 @@ static int dot_pairs(const int64_t *shape, const char *A, const int64_t *sa, con
     const int a_direct = sa[4] == 1 && kp == K, b_direct = sb[4] == 1 && kp == K;
     int64_t mb = kp ? 2 * ABUF_FLOATS / kp : M;
     mb = mb < 2 ? 2 : mb > M ? M : mb;
-    int64_t nb = N * kp <= 2 * BFULL_FLOATS ? N : (2 * BBUF_FLOATS / kp) / 3 * 3;
-    if (nb < 3) nb = 3;
-    const int64_t nbp = (nb + 2) / 3 * 3;
+    int64_t nb = N * kp <= 2 * BFULL_FLOATS ? N : (2 * BBUF_FLOATS / kp) / PAIR_COLS * PAIR_COLS;
+    if (nb < PAIR_COLS) nb = PAIR_COLS;
+    const int64_t nbp = (nb + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS;
     char *buf = scratch_bytes((size_t)((a_direct ? 0 : mb * kp) + (b_direct ? 0 : nbp * kp) + PAIR_K) * 2
                               + (size_t)nbp * sizeof(void *));
     if (!buf) return -1;
@@ -223,7 +245,7 @@ static int dot_pairs(const int64_t *shape, const char *A, const int64_t *sa, con
         memset(ob + rows * N, 0, (size_t)((M - rows) * N) * sizeof(float));
         for (int64_t n0 = 0; n0 < N && rows; n0 += nb) {
             const int64_t nr = N - n0 < nb ? N - n0 : nb;
-            for (int64_t j = 0; j < (nr + 2) / 3 * 3; j++) {
+            for (int64_t j = 0; j < (nr + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; j++) {
                 const int64_t n = n0 + (j < nr ? j : 0);          /* pad rows: any row, never stored */
                 if (b_direct) brow[j] = Bb + n * sb[3];
                 else if (sb[3] != 1 || sb[4] == 1 || j >= nr) {
@@ -379,18 +401,19 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     const int64_t dp = (D + LANES - 1) / LANES * LANES, kvp = (KVB + LANES - 1) / LANES * LANES;
     const int64_t dpad = (D + 2) / 3 * 3, npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
     const int64_t dq = (D + PAIR_K - 1) / PAIR_K * PAIR_K;       /* pair rows (bf16) */
+    const int64_t nq = (KVB + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS;
     pairs = pairs && tq == BF16 && tkv == BF16;
     const size_t need = (size_t)(R * dp + npad * dp + dpad * kvp + R * kvp + R * kvp + R * dp + 2 * R + 64)
-                        + (pairs ? (size_t)((R + npad) * dq / 2 + npad * 2 + 16) : 0);
+                        + (pairs ? (size_t)((R + nq) * dq / 2 + nq * 2 + 16) : 0);
     float *buf = scratch_bytes(need * sizeof(float));
     if (!buf) return -1;
     float *qb = buf, *kb = qb + R * dp, *vt = kb + npad * dp, *pb = vt + dpad * kvp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
     memset(kb, 0, (size_t)(npad * dp + dpad * kvp + R * kvp) * sizeof(float));   /* pads stay 0 */
     const uint16_t **krow = (const uint16_t **)(((uintptr_t)(lrow + R) + 63) & ~(uintptr_t)63);
-    uint16_t *qb16 = (uint16_t *)(krow + npad), *kb16 = qb16 + R * dq;
+    uint16_t *qb16 = (uint16_t *)(krow + nq), *kb16 = qb16 + R * dq;
     if (pairs)
-        for (int64_t n = 0; n < npad; n++) krow[n] = kb16 + (n < KVB ? n : 0) * dq;
+        for (int64_t n = 0; n < nq; n++) krow[n] = kb16 + (n < KVB ? n : 0) * dq;
     for (int64_t s = 0; s < S; s++)
     for (int64_t h = 0; h < H; h++) {
         const int64_t *ts = tok + s * L;
