@@ -108,8 +108,10 @@ def cpu_description() -> str:
            else "no AVX2")
     if isa == "AMX" and "avx512f" in flags:
         isa = "AMX + AVX-512"
-    from consistent_ops.contract import CPU_ACCUMULATION_DEFAULT, CPU_ACCUMULATION_ENV
-    acc = os.environ.get(CPU_ACCUMULATION_ENV) or CPU_ACCUMULATION_DEFAULT
+    if "avx512_bf16" in flags:
+        isa += " (AVX512_BF16)"
+    from consistent_ops.reference.native import accumulation
+    acc = accumulation()
     return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')} model "
             f"{fields.get('model', '?')}), {isa}, {os.cpu_count()} CPUs; plugin CPU accumulation {acc}")
 
