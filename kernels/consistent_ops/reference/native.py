@@ -10,6 +10,7 @@ loaded with ctypes in every process (vLLM workers too). The bits do not depend o
 the kernels' order is explicit and floating-point contraction is off.
 """
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -31,6 +32,7 @@ _lock = threading.Lock()
 _lib = None
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
