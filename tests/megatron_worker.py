@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 LAYOUTS = {"moe": [(2, 2), (1, 2)], "dense": [(2, 1)]}      # trainer (TP, EP) on 2 ranks
 ROLLOUT_TP = [1, 2]
+ENGINE_CUT = {2: (0, 0.9, 0.0)}      # trainer TP -> the rollout's (top_k, top_p, min_p) in engine_check
 LENS = {0: [5, 7, 4], 1: [3, 9, 4]}   # per data-parallel rank (TP ranks share theirs)
 
 
@@ -97,7 +98,8 @@ def train_step_check(path):
     labels = torch.cat([ids[1:], ids[:1]])            # any fixed targets
     logits = model(ids[None], pos[None], None, packed_seq_params=packed(cu))[0]
     tp_group = ps.get_tensor_model_parallel_group()
-    spec.token_logprobs(logits, labels, 0.7, tp_group=tp_group).sum().backward()
+    whole = spec.gather_vocab(logits, tp_group)
+    co.token_logprobs(whole.reshape(-1, whole.shape[-1]), labels, 0.7).sum().backward()
     ref = ConsistentForCausalLM.from_pretrained(path, tp_size=2)
     v = ref.cfg.vocab_size
     co.token_logprobs(ref.forward_packed(ids, pos).reshape(-1, v), labels, 0.7).sum().backward()
@@ -142,9 +144,10 @@ def train_step_check(path):
                 synced_equal=torch.equal(got, want), synced_max_abs_diff=(got - want).abs().max().item())
 
 
-def engine_check(path, tp, ep):
-    """verl 0.9.1's own Megatron engine (our registered subclass) at T=0.7: ``infer_batch``
-    log-probs == the rollout model's, bitwise; then one ``train_batch`` (forward, backward,
+def engine_check(path, tp, ep, cut=None):
+    """verl 0.9.1's own Megatron engine (our registered subclass) at T=0.7 and the rollout's
+    truncation ``cut`` (top_k, top_p, min_p; carried as the driver carries it, in
+    override_config): ``infer_batch`` log-probs == the rollout model's, bitwise; then one ``train_batch`` (forward, backward,
     DDP grad reduce, distributed Adam step), its weights exported by the engine's own
     ``get_per_tensor_param`` into the rollout model, and ``infer_batch`` == rollout again
     with the NEW weights."""
@@ -154,14 +157,15 @@ def engine_check(path, tp, ep):
     from verl.trainer.config import CheckpointConfig
     from verl.utils import tensordict_utils as tu
     from verl.workers.config import HFModelConfig, McoreEngineConfig, McoreOptimizerConfig
-    from true_on_policy import hf_model
-    from true_on_policy.megatron import verl_engine
+    from true_on_policy import hf_model, truncation
     from true_on_policy.models import ConsistentForCausalLM
-    verl_engine.install()
+    from true_on_policy.verl import megatron_engine
+    megatron_engine.install()
     ps.destroy_model_parallel()
     fresh_attention_env()
-    engine = verl_engine.TrueOnPolicyMegatronEngine(
-        HFModelConfig(path=path, override_config={hf_model.TP_ATTR: tp}),
+    carried = dict(zip(truncation.CONFIG_ATTRS, cut or truncation.OFF))
+    engine = megatron_engine.TrueOnPolicyMegatronEngine(
+        HFModelConfig(path=path, override_config={hf_model.TP_ATTR: tp, **carried}),
         McoreEngineConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                           expert_tensor_parallel_size=1, sequence_parallel=tp > 1, use_distributed_optimizer=True),
         McoreOptimizerConfig(lr=1e-2, clip_grad=1.0, lr_warmup_steps_ratio=0.0, total_training_steps=1),
@@ -181,19 +185,21 @@ def engine_check(path, tp, ep):
     limit = hf_model._tokenizer_length(path)
     ref = ConsistentForCausalLM.from_pretrained(path, tp_size=tp).eval()
 
-    def compare():
+    def compare(applied=cut):
         with engine.eval_mode():
             got = engine.infer_batch(data())["model_output"]["log_probs"].unbind()
         with torch.no_grad():
             logits = ref.forward_packed(ids, pos)
-        want = [co.token_logprobs(logits[a:b - 1], ids[a + 1:b], 0.7, limit) for a, b in spans]
-        diff = max((g[:-1] - w).abs().max().item() for g, w in zip(got, want))    # last: no next token
+        want = [co.token_logprobs(logits[a:b - 1], ids[a + 1:b], 0.7, limit, applied) for a, b in spans]
+        diff = max((g[:-1] - w).abs().nan_to_num(posinf=1.0).max().item() for g, w in zip(got, want))  # last: no next token
         return diff, all(torch.equal(g[:-1], w) for g, w in zip(got, want))
 
     diff, equal = compare()
+    untruncated_diff = compare(None)[0] if cut else None    # companion: the rollout's cut ignored
 
-    def nll(model_output, data, dp_group=None):      # any differentiable loss of the log-probs
-        loss = -model_output["log_probs"].values().sum() / data["batch_num_tokens"]
+    def nll(model_output, data, dp_group=None):      # any differentiable loss of the (finite) log-probs
+        lp = model_output["log_probs"].values()        # truncated: -inf where a random label was cut
+        loss = -torch.where(lp.isfinite(), lp, 0).sum() / data["batch_num_tokens"]
         return loss, {"loss": loss.detach().item()}
 
     before = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -205,7 +211,8 @@ def engine_check(path, tp, ep):
     changed = sum(not torch.equal(v, before[k]) for k, v in ref.state_dict().items())
     diff_new, equal_new = compare()
     grad_norm = out.get("metrics", {}).get("grad_norm")      # on the src rank only
-    return dict(engine=True, tp=tp, ep=ep, max_abs_diff=diff, equal=equal, trained_max_abs_diff=diff_new,
+    return dict(engine=True, tp=tp, ep=ep, cut=cut, untruncated_max_abs_diff=untruncated_diff,
+                max_abs_diff=diff, equal=equal, trained_max_abs_diff=diff_new,
                 trained_equal=equal_new, stale_max_abs_diff=stale_diff, changed=changed, total=len(before),
                 grad_norm=float(grad_norm) if grad_norm is not None else None)
 
@@ -237,8 +244,8 @@ def rank_main(rank, world, port, path, dense_path, out_path):
                                 max_abs_diff=(got - want).abs().max().item(), equal=torch.equal(got, want),
                                 equal_paged_rollout=torch.equal(got, rollout)))
     results.append(dict(train_step=train_step_check(path), rank=rank))
-    for tp, ep in LAYOUTS["moe"]:
-        results.append(dict(engine_check(path, tp, ep), rank=rank))
+    for tp, ep in LAYOUTS["moe"]:      # TP=2 with the rollout's truncation (vocab shards gathered first)
+        results.append(dict(engine_check(path, tp, ep, ENGINE_CUT.get(tp)), rank=rank))
     # Companion: stock Megatron modules at TP=1/EP=2 on one unpacked sequence (its local
     # attention cannot run packed sequences, its torch norm refuses sequence parallel).
     model, ps, _ = build(path, 1, 2, 1, stock=True)

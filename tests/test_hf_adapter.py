@@ -47,29 +47,31 @@ def test_auto_model_is_ours_and_exact(arch, tmp_path_factory, registered):
 
 def test_rollout_truncation_reaches_verl_logprobs(tmp_path_factory, registered, monkeypatch):
     """Config attributes (set by the driver through override_config) -> the model this
-    process built -> verl's patched logprobs_from_logits scores the truncated distribution,
-    bitwise as the rollout's processor rows; a config without them stays untruncated."""
+    process built (its scoring.Scoring) -> verl's patched logprobs_from_logits scores the
+    truncated distribution, bitwise as the rollout's processor rows; a config without them
+    stays untruncated."""
     import consistent_ops as co
-    from true_on_policy import truncation
+    from true_on_policy import scoring, truncation
     from true_on_policy.verl import trainer_logprobs
     hf_model = registered
-    for name in ("_active_truncation", "_active_vocab_limit"):     # process-wide: restored after
-        monkeypatch.setattr(hf_model, name, getattr(hf_model, name))
+    monkeypatch.setattr(scoring, "_active", scoring.active())          # process-wide: restored after
+    monkeypatch.setattr(trainer_logprobs, "_publish_contract", lambda: None)   # no Ray job to report to
     path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", "qwen3", hidden_size=128, num_layers=2)
     logits = torch.randn(6, 1024, generator=torch.Generator().manual_seed(2)) * 4 / 0.7   # verl divided by T
     config = hf_model.scoped_config(transformers.AutoConfig.from_pretrained(path))   # as the actor's engine does
     transformers.AutoModelForCausalLM.from_pretrained(path, config=config)
-    assert hf_model.active_truncation() is None
+    assert scoring.active().truncation is None
     for attr, value in zip(truncation.CONFIG_ATTRS, (20, 0.9, 0.0)):
         setattr(config, attr, value)
     transformers.AutoModelForCausalLM.from_pretrained(path, config=config)
-    assert hf_model.active_truncation() == (20, 0.9, 0.0)
-    rows = co.log_softmax(logits, 1.0, hf_model.active_vocab_limit(), (20, 0.9, 0.0))
+    assert scoring.active().truncation == (20, 0.9, 0.0)
+    limit = scoring.active().vocab_limit
+    rows = co.log_softmax(logits, 1.0, limit, (20, 0.9, 0.0))
     labels = rows.argmax(-1)
-    engine_logprobs = trainer_logprobs._contract(lambda *a, **k: None)   # the engine's name, patched
+    engine_logprobs = trainer_logprobs._fsdp(lambda *a, **k: None)   # the engine's name, patched
     got = engine_logprobs(logits[None], labels[None])[0]
     assert torch.equal(got, rows.gather(-1, labels[:, None])[:, 0])
-    assert not torch.equal(got, co.token_logprobs(logits, labels, 1.0, hf_model.active_vocab_limit()))
+    assert not torch.equal(got, co.token_logprobs(logits, labels, 1.0, limit))
 
 
 def test_saved_checkpoint_loads_back_exactly(tmp_path, registered):

@@ -74,6 +74,15 @@ def test_verl_megatron_engine_logprobs_bitwise_equal_rollout(results, tp, ep):
     assert len(rows) == 2 and all(r["equal"] and r["max_abs_diff"] == 0.0 for r in rows), rows
 
 
+def test_verl_megatron_engine_applies_the_rollout_truncation(results):
+    """At trainer TP=2 the job's rollout top_p=0.9 (carried in override_config, as the driver
+    carries it) reaches verl's Megatron engine: its log-probs are the rollout's truncated ones
+    bitwise (both rows above), and differ from the untruncated ones (companion)."""
+    rows = [r for r in results if r.get("engine") and r["tp"] == 2]
+    assert len(rows) == 2 and all(r["cut"] == [0, 0.9, 0.0] for r in rows), rows
+    assert all(r["equal"] and r["trained_equal"] and r["untruncated_max_abs_diff"] > 0 for r in rows), rows
+
+
 @pytest.mark.parametrize("tp, ep", [(2, 2), (1, 2)])
 def test_verl_megatron_engine_train_step_then_logprobs_bitwise_equal_rollout(results, tp, ep):
     """verl's ``train_batch`` (forward, backward, DDP, distributed Adam) changes the weights;

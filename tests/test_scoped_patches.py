@@ -12,7 +12,7 @@ import pytest
 import torch
 from verl import DataProto
 
-from true_on_policy import hf_model
+from true_on_policy import scoring
 from true_on_policy.make_tiny_model import ensure_tiny_model
 from true_on_policy.verl import contract_registry, guard, trainer_logprobs
 
@@ -103,12 +103,11 @@ def test_logprobs_from_logits_keeps_verls_contract(shape, dtype, monkeypatch):
     from verl.utils.torch_functional import logprobs_from_logits as stock
     logits = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
     labels = torch.randint(0, shape[-1], shape[:-1], generator=torch.Generator().manual_seed(1))
-    wrapped = trainer_logprobs._contract(stock)
-    monkeypatch.setattr(hf_model, "_built", False)
+    wrapped = trainer_logprobs._fsdp(stock)
+    monkeypatch.setattr(scoring, "_active", None)               # no model of ours built here
     assert torch.equal(wrapped(logits, labels, inplace_backward=False), stock(logits, labels))
-    monkeypatch.setattr(hf_model, "_built", True)
-    monkeypatch.setattr(hf_model, "_active_vocab_limit", None)
-    monkeypatch.setattr(trainer_logprobs, "_reported", True)   # no Ray job to report to
+    monkeypatch.setattr(scoring, "_active", scoring.Scoring())
+    monkeypatch.setattr(trainer_logprobs, "_publish_contract", lambda: None)   # no Ray job to report to
     ours, theirs = wrapped(logits=logits, labels=labels, inplace_backward=True), stock(logits, labels)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     tol = 1e-5 if dtype == torch.float32 else 0.1

@@ -1,4 +1,4 @@
-"""Debug-mode weight sync checksum (true_on_policy.sync_check): the trainer's stream and
+"""Debug-mode weight sync checksum (true_on_policy.sync_check, verl/weight_sync.py): the trainer's stream and
 the rollout's receiver agree on an exact sync, over several buckets, and name what
 differs otherwise. The whole loop with it on is in test_recipe_e2e.py."""
 import asyncio
@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from true_on_policy import sync_check
+from true_on_policy.verl.weight_sync import sending
 
 HELD = ["a.weight", "b.weight", "c.weight"]
 
 
 def trainer_stream(weights):
     async def collect():
-        return [item async for item in sync_check.sending(iter(weights))]
+        return [item async for item in sending(iter(weights))]
     return asyncio.run(collect())
 
 

@@ -102,7 +102,7 @@ def test_external_modules_channel_alone():
 
 
 def test_after_import_runs_once_right_after_the_import(tmp_path, monkeypatch):
-    from true_on_policy.verl import hooks
+    from true_on_policy import hooks
     (tmp_path / "tovp_hooked.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
@@ -168,7 +168,7 @@ def test_shm_weight_buckets_reach_the_loader_as_copies(tmp_path):
 
     import torch
     from verl.workers.rollout.vllm_rollout import bucketed_weight_transfer as bwt
-    assert getattr(bwt.BucketedWeightReceiver.receive_weights, "_true_on_policy_cpu", False)  # the hook ran
+    assert getattr(bwt.BucketedWeightReceiver.receive_weights, "_true_on_policy", False)  # the hook ran
     handle, weights, kept = f"ipc://{tmp_path}/zmq.sock", [(f"w{i}", torch.full((256,), i / 3)) for i in range(4)], []
     sender = bwt.BucketedWeightSender(handle, bucket_size_mb=1, use_shm=True)
     thread = threading.Thread(target=lambda: asyncio.run(sender.async_send_weights(iter(weights))))

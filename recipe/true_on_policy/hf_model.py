@@ -10,7 +10,7 @@ engine does it for the actor and the reference, verl/swap_in.py). Any other Qwen
 the process builds from a plain Qwen3Config is transformers' own class. TP of the rollout
 is emulated through the config attribute ``true_on_policy_tp_size`` (set with verl's
 ``model.override_config``), the rollout's top-k / top-p / min-p through
-``truncation.CONFIG_ATTRS`` the same way.
+``truncation.CONFIG_ATTRS`` the same way (read into scoring.Scoring when the model is built).
 """
 import copy
 import logging
@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import scheme, truncation
+from . import scheme, scoring
 from .models import ModelConfig, TensorParallel, TrainerMixin, build_causal_lm
 
 log = logging.getLogger(__name__)
@@ -29,28 +29,6 @@ TP_ATTR = "true_on_policy_tp_size"
 DTYPE_ATTR = "true_on_policy_dtype"
 # Rows >= len(tokenizer) are excluded from log-probs (the rollout masks them too).
 VOCAB_ATTR = "true_on_policy_vocab_limit"
-_active_vocab_limit = None
-_built = False
-
-
-def built() -> bool:
-    """Whether this process built one of our models (whose log-probs follow the contract)."""
-    return _built
-
-
-# The rollout's top_k / top_p / min_p (truncation.CONFIG_ATTRS): log-probs are those of the
-# truncated distribution the rollout samples from.
-_active_truncation = None
-
-
-def active_vocab_limit():
-    """The padded-vocabulary limit of the model this process built (None: none built)."""
-    return _active_vocab_limit
-
-
-def active_truncation():
-    """(top_k, top_p, min_p) of the model this process built, or None (untruncated)."""
-    return _active_truncation
 
 
 def _tokenizer_length(path):
@@ -73,10 +51,8 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
         if getattr(config, DTYPE_ATTR, None):
             cfg.dtype = getattr(torch, str(getattr(config, DTYPE_ATTR)).replace("torch.", ""))
         build_causal_lm(self, cfg, TensorParallel(size=int(getattr(config, TP_ATTR, 1) or 1)))
-        global _active_vocab_limit, _active_truncation, _built
-        self.vocab_limit = _active_vocab_limit = getattr(config, VOCAB_ATTR, None)
-        _built = True
-        _active_truncation = truncation.normalise(*(getattr(config, a, None) for a in truncation.CONFIG_ATTRS))
+        self.scoring = scoring.Scoring.of(config, getattr(config, VOCAB_ATTR, None))
+        scoring.activate(self.scoring)        # what this process's trainer log-probs apply
         if cfg.tie_word_embeddings:
             self._tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 

@@ -19,7 +19,7 @@ import sys
 
 import psutil
 
-from .verl.hooks import after_import
+from .hooks import after_import, patch
 
 ENV = "TRUE_ON_POLICY_QUIET"
 # (category, start of the message): Python warnings every CPU run of verl 0.9.1 prints.
@@ -126,13 +126,10 @@ def _logger_name(name: str) -> str:
 
 def skip_dumps(module) -> None:
     """verl pretty-prints the resolved config (TaskRunner) and vLLM's command line (server)."""
-    dump = module.pprint
-    if getattr(dump, "_true_on_policy", False):
-        return
+    def silent(dump):
+        @functools.wraps(dump)
+        def pprint(obj, *args, **kwargs):
+            return None
+        return pprint
 
-    @functools.wraps(dump)
-    def pprint(obj, *args, **kwargs):
-        return None
-
-    pprint._true_on_policy = True
-    module.pprint = pprint
+    patch(module, "pprint", silent)

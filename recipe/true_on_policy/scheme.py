@@ -2,7 +2,6 @@
 all apply, written once. Imports neither verl nor vLLM (both adapters import this).
 
   switch          TRUE_ON_POLICY=1 in the environment of every process
-  architectures   the HF architectures the shared model covers
   temperature     how a rollout temperature travels to the contract's log-probs
   sampling        which sampling settings keep the reported log-prob exact
   vocabulary      the padded-vocabulary limit: len(tokenizer), at most the model's rows
@@ -25,10 +24,6 @@ ENV = "TRUE_ON_POLICY"
 def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
-
-# ----------------------------------------------------------------------------- architectures
-# HF architecture -> model type of the shared model (models/qwen3.py).
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 
 # ----------------------------------------------------------------------------- temperature
 # The engine samples at 1.0 (or greedily) and the rollout temperature T travels per request

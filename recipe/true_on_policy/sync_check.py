@@ -6,7 +6,8 @@ items that open and close the stream (``SYNC_START``, then ``SYNC_ITEM`` carryin
 the rollout side digests what it receives in between, and on the closing item compares the
 two tables and checks that the sync covered every parameter it holds. Any difference stops
 the sync with the names that differ, so a rollout never samples from weights the trainer
-does not have. Off by default: hashing every tensor costs a copy to host.
+does not have. Off by default: hashing every tensor costs a copy to host. The trainer's side lives in
+the verl adapter (verl/weight_sync.py); this module imports no host.
 """
 import hashlib
 import json
@@ -41,17 +42,6 @@ def encode(table: dict) -> torch.Tensor:
 
 def decode(item: torch.Tensor) -> dict:
     return json.loads(item.cpu().numpy().tobytes().decode())
-
-
-async def sending(weights):
-    """Trainer side: SYNC_START, the (sync or async) stream of (name, tensor), SYNC_ITEM."""
-    from verl.workers.rollout.utils import ensure_async_iterator
-    table = {}
-    yield SYNC_START, torch.zeros(1, dtype=torch.uint8)
-    async for name, tensor in ensure_async_iterator(weights):
-        table[name] = digest(tensor)
-        yield name, tensor
-    yield SYNC_ITEM, encode(table)
 
 
 class Receiver:

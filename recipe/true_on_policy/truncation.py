@@ -35,6 +35,11 @@ def normalise(top_k=None, top_p=None, min_p=None):
     return cut if co.truncation_active(*cut) else None
 
 
+def of_settings(settings):
+    """``normalise`` of an object's ``top_k`` / ``top_p`` / ``min_p`` attributes (the check's arguments)."""
+    return normalise(*(getattr(settings, name) for name in NAMES))
+
+
 def extra_args(kwargs: dict) -> dict:
     """Pops top_k / top_p / min_p from request ``kwargs``; their extra_args entries (none when
     every setting is off; invalid values are passed on for the admission check to name)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from true_on_policy import scheme
+from true_on_policy import scheme, truncation
 from true_on_policy.check.prompts import make_prompts
 from true_on_policy.check.report import compare_phases, print_summary, summary_json
 
@@ -78,15 +78,8 @@ def fail(msg):
 
 
 def truncation_errors(a):
-    from true_on_policy.truncation import problems
-    for problem in problems(a.top_k, a.top_p, a.min_p):
+    for problem in truncation.problems(a.top_k, a.top_p, a.min_p):
         fail("--" + problem.replace("_", "-", 1).replace("=", " ", 1))
-
-
-def truncation(args):
-    """(top_k, top_p, min_p) of the contract, or None when every setting is off."""
-    from true_on_policy.truncation import normalise
-    return normalise(args.top_k, args.top_p, args.min_p)
 
 
 def resolve_model(args):
@@ -206,7 +199,7 @@ class Rollout:
 def write_plan(args, model_dir, prompts, workdir):
     longest = max(len(p) for p in prompts) + args.max_tokens
     plan = dict(model=model_dir, tp=args.tp, seed=args.seed, temperature=args.temperature,
-                truncation=truncation(args),
+                truncation=truncation.of_settings(args),
                 max_tokens=args.max_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                 max_model_len=-(-longest // 256) * 256, kv_cache_bytes=512 << 20, stock=args.stock,
@@ -222,7 +215,7 @@ def recompute(args, phases, vocab_limit, cut="rollout's"):
     rollout's; None: untruncated, what a trainer unaware of the rollout's truncation scores)."""
     from true_on_policy.check import trainer as tr
     out, t = [], scheme.logprob_temperature(args.temperature)
-    cut = truncation(args) if cut == "rollout's" else cut
+    cut = truncation.of_settings(args) if cut == "rollout's" else cut
     for phase in phases:
         if args.stock:
             out.append(tr.stock_logprobs(phase["weights"], phase["sequences"], t))
@@ -235,7 +228,7 @@ def recompute(args, phases, vocab_limit, cut="rollout's"):
 def untruncated_gap(args, phases, vocab_limit):
     """With truncation on: how far the trainer's UNtruncated log-probs are from the rollout's
     (the gap exact truncation removes); JSON keys untruncated_*."""
-    if args.stock or truncation(args) is None:
+    if args.stock or truncation.of_settings(args) is None:
         return {}
     total = compare_phases(phases, recompute(args, phases, vocab_limit, cut=None))["total"]
     return {f"untruncated_{k}": total[k] for k in ("max_abs_logdiff", "mean_abs_logdiff", "frac_exact")}

@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from true_on_policy import scheme
+from true_on_policy import scheme, truncation
 from true_on_policy.check.capture import HEAD_SHARDED
 
 
@@ -110,8 +110,8 @@ def _replay_check(capture, tokens, target, m, args, vocab_limit):
     if args.stock:
         lp = float(torch.log_softmax(logits / t, -1)[0, target])
     else:
-        from .cli import truncation
-        lp = float(co.token_logprobs(logits, torch.tensor([target]), t, vocab_limit, truncation(args))[0])
+        cut = truncation.of_settings(args)
+        lp = float(co.token_logprobs(logits, torch.tensor([target]), t, vocab_limit, cut)[0])
     same = lp == m["rollout"]
     return (f"replay {'reproduces' if same else 'does NOT reproduce'} the rollout's log-prob "
             f"({lp!r} vs {m['rollout']!r})" + ("" if same else ": the rollout value depended on "

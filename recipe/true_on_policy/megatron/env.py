@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from ..verl.cpu_support import accelerator_available as _accelerator   # CUDA or an Ascend NPU
+from ..accelerator import available as _accelerator   # CUDA or an Ascend NPU
 
 
 class _Absent(type):

@@ -256,13 +256,12 @@ def adopt_output_layer(model):
     return model
 
 
-def token_logprobs(logits, labels, temperature=1.0, vocab_limit=None, tp_group=None):
-    """The contract's log-probs over the whole vocabulary from vocab-parallel fp32 logits
-    [..., V/tp]: shards concatenated in rank order (exact; backward: this rank's slice)."""
+def gather_vocab(logits, tp_group=None):
+    """Whole-vocabulary logits [..., V] from vocab-parallel ones [..., V/tp]: shards
+    concatenated in rank order (exact; backward: this rank's slice)."""
     if _tp(tp_group)[0] > 1:
         logits = mappings.gather_from_tensor_model_parallel_region(logits, group=tp_group)
-    v = logits.shape[-1]
-    return co.token_logprobs(logits.reshape(-1, v), labels.reshape(-1), temperature, vocab_limit).view(labels.shape)
+    return logits
 
 
 _BRIDGE_TYPES = {"ConsistentColumnParallelLinear": "column", "ConsistentOutputLayer": "column",

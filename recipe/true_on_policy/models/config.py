@@ -5,7 +5,8 @@ from pathlib import Path
 
 import torch
 
-from ..scheme import ARCHITECTURES
+# HF architecture -> model type of the shared model (qwen3.py): what true on-policy covers.
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

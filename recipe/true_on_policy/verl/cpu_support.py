@@ -37,23 +37,12 @@ import os
 import sys
 
 from .. import scheme
-from .hooks import after_import
+from ..accelerator import available as accelerator_available
+from ..hooks import after_import, patch
 
 log = logging.getLogger("true_on_policy.verl")
 
 _applied = False
-
-
-@functools.cache
-def accelerator_available() -> bool:
-    """True when CUDA (or ROCm) or an Ascend NPU is usable in this process."""
-    import torch
-    if torch.cuda.is_available():
-        return True
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
-    return bool(torch.npu.is_available())
 
 
 def apply() -> bool:
@@ -142,9 +131,10 @@ def _alias_vllm_distribution() -> None:
 def _value_model_sdpa(module) -> None:
     """verl's ``load_valuehead_model`` (the critic) hard-codes attn_implementation=
     "flash_attention_2", which has no CPU build: load value models with sdpa instead."""
-    original = module.load_valuehead_model
-    if getattr(original, "_true_on_policy", False):
-        return
+    patch(module, "load_valuehead_model", _sdpa_value_model)
+
+
+def _sdpa_value_model(original):
     from transformers import AutoModelForTokenClassification as auto
 
     def from_pretrained(*args, **kwargs):
@@ -164,8 +154,7 @@ def _value_model_sdpa(module) -> None:
             else:
                 auto.from_pretrained = saved
 
-    load_valuehead_model._true_on_policy = True
-    module.load_valuehead_model = load_valuehead_model
+    return load_valuehead_model
 
 
 def _register_cpu_engines(module) -> None:
@@ -185,19 +174,16 @@ def _patch_process_group_backend(module) -> None:
     backend string "cpu:gloo,<device>:<backend>"; with device "cpu" torch rejects the
     duplicate device type. Patched: the smallest function that builds the string, and
     only its default (an explicit ``backend`` is passed through untouched)."""
-    original = module.initialize_global_process_group_ray
-    if getattr(original, "_true_on_policy_cpu", False):
-        return
+    def default_gloo(original):
+        @functools.wraps(original)
+        def initialize_global_process_group_ray(timeout_second=None, backend=None):
+            return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
+        return initialize_global_process_group_ray
 
-    @functools.wraps(original)
-    def initialize_global_process_group_ray(timeout_second=None, backend=None):
-        return original(timeout_second=timeout_second, backend=backend or "cpu:gloo")
-
-    initialize_global_process_group_ray._true_on_policy_cpu = True
-    module.initialize_global_process_group_ray = initialize_global_process_group_ray
+    replacement = patch(module, "initialize_global_process_group_ray", default_gloo)
     for user in ("verl.workers.engine_workers",):  # imported it by name before this ran
         if user in sys.modules:
-            sys.modules[user].initialize_global_process_group_ray = initialize_global_process_group_ray
+            sys.modules[user].initialize_global_process_group_ray = replacement
     log.info("true_on_policy: verl process groups default to gloo on CPU")
 
 
@@ -209,20 +195,16 @@ def _copy_shm_buckets(module) -> None:
     collector runs — makes ``SharedMemory.close`` raise ``BufferError: cannot close exported
     pointers exist`` inside the vLLM worker and the weight sync dies (the job then hangs).
     Patched: with shared memory the loader gets private copies of each bucket's tensors."""
-    cls = module.BucketedWeightReceiver
-    original = cls.receive_weights
-    if getattr(original, "_true_on_policy_cpu", False):
-        return
+    def private_copies(original):
+        @functools.wraps(original)
+        def receive_weights(self, on_bucket_received):
+            if not self.use_shm:
+                return original(self, on_bucket_received)
+            return original(self, lambda weights, is_last: on_bucket_received(
+                [(name, tensor.clone()) for name, tensor in weights], is_last))
+        return receive_weights
 
-    @functools.wraps(original)
-    def receive_weights(self, on_bucket_received):
-        if not self.use_shm:
-            return original(self, on_bucket_received)
-        return original(self, lambda weights, is_last: on_bucket_received(
-            [(name, tensor.clone()) for name, tensor in weights], is_last))
-
-    receive_weights._true_on_policy_cpu = True
-    cls.receive_weights = receive_weights
+    patch(module.BucketedWeightReceiver, "receive_weights", private_copies)
 
 
 # ----------------------------------------------------------------------------- config

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..hooks import patch
 from . import contract_registry
 
 log = logging.getLogger("true_on_policy.verl")
@@ -100,34 +101,23 @@ def _dump(data):
 
 
 def _wrap(original):
-    if getattr(original, "_true_on_policy", False):
-        return original
-
     @functools.wraps(original)
     def calculate_debug_metrics(data):
         metrics = original(data)
         if _trainer_built:
             metrics.update(check_batch(data))
         return metrics
-
-    calculate_debug_metrics._true_on_policy = True
     return calculate_debug_metrics
 
 
-def _capture_config(cls):
-    init = cls.__init__
-    if getattr(init, "_true_on_policy", False):
-        return
-
+def _capture_config(init):
     @functools.wraps(init)
     def __init__(self, config, *args, **kwargs):
         global _trainer_built
         configure(config)
         _trainer_built = True
         init(self, config, *args, **kwargs)
-
-    __init__._true_on_policy = True
-    cls.__init__ = __init__
+    return __init__
 
 
 _TRAINERS = {"verl.trainer.ppo.v1.trainer_base": "PPOTrainer", "verl.trainer.ppo.ray_trainer": "RayPPOTrainer"}
@@ -137,6 +127,6 @@ def patch_module(module):
     """Wrap ``calculate_debug_metrics`` where ``module`` holds it (defined or imported by
     name) and capture the config of the trainer class it defines."""
     if hasattr(module, "calculate_debug_metrics"):
-        module.calculate_debug_metrics = _wrap(module.calculate_debug_metrics)
+        patch(module, "calculate_debug_metrics", _wrap)
     if module.__name__ in _TRAINERS:
-        _capture_config(getattr(module, _TRAINERS[module.__name__]))
+        patch(getattr(module, _TRAINERS[module.__name__]), "__init__", _capture_config)

@@ -14,12 +14,12 @@ process only pays for what it uses:
                                               shared model; their log-probs ->
                                               consistent_ops.token_logprobs
   trainer       Megatron, MindSpeed engines    our layer spec + LM head + log-probs
-                                              (true_on_policy.megatron.verl_engine)
+                                              (true_on_policy.verl.megatron_engine)
   vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
                                               carried to the contract's log-probs; reports
                                               its workers' contract (contract_match)
   trainer       vllm_rollout.ServerAdapter     debug mode (TRUE_ON_POLICY_CHECK_SYNC=1):
-                                              each weight sync checksummed (sync_check)
+                                              each weight sync checksummed (weight_sync.py)
   vLLM workers  (vllm.general_plugins entry)   our model class + attention backend
 """
 import functools
@@ -27,7 +27,7 @@ import logging
 from pathlib import Path
 
 from .. import scheme
-from .hooks import after_import
+from ..hooks import after_import, patch
 
 log = logging.getLogger("true_on_policy.verl")
 
@@ -36,18 +36,15 @@ def _driver(module):
     """verl's ``main`` calls ``validate_config(config, ...)`` before it starts Ray (also when
     main_ppo runs as ``__main__``, which no import hook sees): our checks go there, once,
     in the driver (Ray not yet up), so a bad job fails before anything starts."""
-    validate = module.validate_config
-    if getattr(validate, "_true_on_policy", False):
-        return
+    def checked_first(validate):
+        def validate_config(config, *args, **kwargs):
+            import ray
+            if not ray.is_initialized():
+                _prepare_job(config)
+            return validate(config, *args, **kwargs)
+        return validate_config
 
-    def validate_config(config, *args, **kwargs):
-        import ray
-        if not ray.is_initialized():
-            _prepare_job(config)
-        return validate(config, *args, **kwargs)
-
-    validate_config._true_on_policy = True
-    module.validate_config = validate_config
+    patch(module, "validate_config", checked_first)
 
 
 def _prepare_job(config):
@@ -91,80 +88,61 @@ def _trainer_engine(module):
     from .. import hf_model
     from . import trainer_logprobs
     hf_model.register()
-    trainer_logprobs.patch(module)
-    build = module.FSDPEngine._build_module
-    if getattr(build, "_true_on_policy", False):
-        return
+    trainer_logprobs.patch_fsdp(module)
 
-    @functools.wraps(build)
-    def _build_module(self):
-        if self.model_config.model_type == "language_model":
-            self.model_config.hf_config = hf_model.scoped_config(self.model_config.hf_config)
-        return build(self)
+    def ours_for_language_models(build):
+        @functools.wraps(build)
+        def _build_module(self):
+            if self.model_config.model_type == "language_model":
+                self.model_config.hf_config = hf_model.scoped_config(self.model_config.hf_config)
+            return build(self)
+        return _build_module
 
-    _build_module._true_on_policy = True
-    module.FSDPEngine._build_module = _build_module
+    patch(module.FSDPEngine, "_build_module", ours_for_language_models)
 
 
 def _megatron_engine(_module):
-    from ..megatron import env, verl_engine
+    from ..megatron import env
     env.import_bridge()
-    verl_engine.install()
+    from . import megatron_engine
+    megatron_engine.install()
 
 
 def _mindspeed_engine(module):
-    from ..megatron import env, verl_engine
+    from ..megatron import env
     env.import_bridge()
-    verl_engine.install_mindspeed(module)
+    from . import megatron_engine
+    megatron_engine.install_mindspeed(module)
 
 
 def _rollout_server(module):
     """verl builds ``SamplingParams(max_tokens=..., **dict)`` with the rollout temperature
     (0 for greedy validation); under the plugin the engine samples at 1.0 (greedy: 0) and the
     contract applies T and any top-k / top-p (scheme.request, vllm/sampling.py)."""
-    if getattr(module.SamplingParams, "_true_on_policy", False):
-        return
-    stock = module.SamplingParams
+    def contract_applies_t(stock):
+        def SamplingParams(temperature=1.0, **kwargs):  # noqa: N802 - replaces the class name
+            return stock(**scheme.request(temperature, kwargs), **kwargs)
+        return SamplingParams
 
-    def SamplingParams(temperature=1.0, **kwargs):  # noqa: N802 - replaces the class name
-        return stock(**scheme.request(temperature, kwargs), **kwargs)
-
-    SamplingParams._true_on_policy = True
-    module.SamplingParams = SamplingParams
-    _report_rollout_contract(module.vLLMHttpServer)
+    patch(module, "SamplingParams", contract_applies_t)
+    patch(module.vLLMHttpServer, "run_server", _reporting_contract)
 
 
-def _report_rollout_contract(server_cls):
+def _reporting_contract(run_server):
     """Once the server's engine is up, ask each of its workers which contract its model
     runs and report it (contract_registry: the contract_match metric)."""
-    run_server = server_cls.run_server
-    if getattr(run_server, "_true_on_policy", False):
-        return
-
+    @functools.wraps(run_server)
     async def reporting_run_server(self, *args, **kwargs):
         result = await run_server(self, *args, **kwargs)
         from . import contract_registry
         contract_registry.publish("rollout", await self.engine.collective_rpc("true_on_policy_contract"))
         return result
-
-    reporting_run_server._true_on_policy = True
-    server_cls.run_server = functools.wraps(run_server)(reporting_run_server)
+    return reporting_run_server
 
 
 def _weight_sync(module):
-    """Debug mode (sync_check): the trainer's side of the checksummed weight sync."""
-    from .. import sync_check
-    update = module.ServerAdapter.update_weights
-    if not sync_check.enabled() or getattr(update, "_true_on_policy", False):
-        return
-
-    async def update_weights(self, weights, *args, wire_format="named_tensors", **kwargs):
-        if wire_format == "named_tensors":
-            weights = sync_check.sending(weights)
-        return await update(self, weights, *args, wire_format=wire_format, **kwargs)
-
-    update_weights._true_on_policy = True
-    module.ServerAdapter.update_weights = functools.wraps(update)(update_weights)
+    from . import weight_sync
+    weight_sync.patch_sender(module)
 
 
 def _guard(module):

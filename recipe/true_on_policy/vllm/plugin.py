@@ -3,7 +3,8 @@ engine core, each worker), so it is idempotent and does nothing unless TRUE_ON_P
 Registrations are string paths: nothing heavy is imported until vLLM needs it."""
 import logging
 
-from true_on_policy.scheme import ARCHITECTURES, enabled
+from true_on_policy.models.config import ARCHITECTURES
+from true_on_policy.scheme import enabled
 
 log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
 

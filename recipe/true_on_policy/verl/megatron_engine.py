@@ -1,8 +1,9 @@
 """verl 0.9.1's Megatron engine under TRUE_ON_POLICY=1, through verl's own extension points:
 the engine registry (a subclass of ``MegatronEngineWithLMHead`` that points the Bridge
 provider at our layer spec and gives GPTModel our LM head) and the log-prob function the
-engine calls by name (``vocab_parallel_log_probs_from_logits`` -> the contract's log-probs
-over the whole vocabulary). Weight export is the engine's own (``bridge.export_hf_weights``:
+engine calls by name (``vocab_parallel_log_probs_from_logits`` -> the vocab shards gathered,
+then the trainer's one log-prob function, trainer_logprobs.token_logprobs, with this
+process's scoring: vocabulary limit and the rollout's top-k / top-p / min-p). Weight export is the engine's own (``bridge.export_hf_weights``:
 our modules keep Megatron's parameter layout and names). verl's MindSpeed engine (Ascend), a
 subclass of the same engine, gets the same spec (``install_mindspeed``)."""
 import logging
@@ -11,13 +12,11 @@ from megatron.core import parallel_state as mpu
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
 
-from .. import hf_model
-from ..verl import contract_registry
-from . import env, spec
+from .. import hf_model, scoring
+from ..megatron import env, spec
+from . import trainer_logprobs
 
 log = logging.getLogger("true_on_policy.verl")
-_vocab_limit = None
-_reported = False
 TrueOnPolicyMindspeedEngine = None      # made by install_mindspeed once verl defines its MindSpeed engine
 
 
@@ -26,7 +25,6 @@ class _ContractSpec:
     Bridge provider builds our layer spec and LM head."""
 
     def _build_tf_config(self):
-        global _vocab_limit
         # read by the provider's finalize, inside super()
         self.engine_config.override_transformer_config.update({**spec.PROVIDER_SETTINGS, **env.cpu_provider_settings()})
         super()._build_tf_config()
@@ -38,7 +36,8 @@ class _ContractSpec:
         # Bridge's hook before DDP wrapping: GPTModel's LM head gets the contract's forward.
         self.provider.register_pre_wrap_hook(lambda chunks: [spec.adopt_output_layer(m) for m in chunks])
         env.cpu_provider(self.provider)
-        _vocab_limit = hf_model._tokenizer_length(self.model_config.local_path)
+        scoring.activate(scoring.Scoring.of(self.model_config.hf_config,
+                                            hf_model._tokenizer_length(self.model_config.local_path)))
 
 
 class TrueOnPolicyMegatronEngine(_ContractSpec, transformer_impl.MegatronEngineWithLMHead):
@@ -56,13 +55,9 @@ class TrueOnPolicyMegatronEngine(_ContractSpec, transformer_impl.MegatronEngineW
 
 
 def contract_vocab_parallel_log_probs(logits, labels):
-    """verl divided the fp32 logits by T in place (one IEEE division, the contract's)."""
-    global _reported
-    if not _reported:
-        import consistent_ops as co
-        contract_registry.publish("trainer", [co.contract_fingerprint()])
-        _reported = True
-    return spec.token_logprobs(logits, labels, 1.0, _vocab_limit, mpu.get_tensor_model_parallel_group())
+    """verl divided the fp32 vocab-parallel logits by T in place (one IEEE division, the contract's)."""
+    whole = spec.gather_vocab(logits, mpu.get_tensor_model_parallel_group())
+    return trainer_logprobs.token_logprobs(whole, labels, scoring.active() or scoring.Scoring())
 
 
 def _register(engine, device, vendor=None):

@@ -1,7 +1,8 @@
-"""Post-import hooks: run a callback right after a verl module has executed.
+"""Post-import hooks and the one patch helper; imports no host (verl, vLLM, Megatron).
 
-Registrations that need a heavy verl module (the FSDP engine imports transformers and
-FSDP: seconds of CPU) must not import it themselves: ``register`` runs in every process
+``after_import``: run a callback right after a host module has executed. Registrations
+that need a heavy verl module (the FSDP engine imports transformers and FSDP: seconds of
+CPU) must not import it themselves: ``register`` runs in every process
 that imports verl, vLLM workers included. ``after_import`` defers them to the moment
 verl imports the module on its own, and — since it runs before any importer reads the
 module's attributes — a function replaced there is seen by ``from module import name``.
@@ -56,3 +57,18 @@ def after_import(name: str, callback) -> None:
         queued.append(callback)
     if not any(isinstance(f, _AfterImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImportFinder())
+
+
+MARK = "_true_on_policy"   # set on every replacement we install
+
+
+def patch(owner, name: str, make):
+    """Replace ``owner.name`` by ``make(current)``, once: a second call (or a process that
+    already holds our replacement) changes nothing. Returns what is in place."""
+    current = getattr(owner, name)
+    if getattr(current, MARK, False):
+        return current
+    replacement = make(current)
+    setattr(replacement, MARK, True)
+    setattr(owner, name, replacement)
+    return replacement
