@@ -19,6 +19,27 @@ def test_fingerprint_per_backend(monkeypatch):
         contract.fingerprint("cuda")
 
 
+def test_a_tile_value_changes_the_fingerprint(monkeypatch):
+    """The Triton kernels' tiles are contract data (TRITON_TILES), hashed by the backends that
+    run those kernels; the reference backend (no tiles) keeps its fingerprint."""
+    before = {b: contract.fingerprint(b) for b in contract.ACCUMULATION}
+    monkeypatch.setitem(contract.TRITON_TILES["attention"], "backward_delta_rows", 128)
+    assert contract.fingerprint("triton") != before["triton"]
+    assert contract.fingerprint("ascend") != before["ascend"]
+    assert contract.fingerprint("reference") == before["reference"]
+
+
+def test_the_kernels_run_the_contract_tiles():
+    pytest.importorskip("triton")
+    from consistent_ops.triton import attention, gemm, logprobs, moe, norm
+    tiles = contract.TRITON_TILES
+    assert gemm._HUGE is tiles["gemm"]["huge"] and gemm._NARROW is tiles["gemm"]["narrow"]
+    assert moe._TILES[0] == tiles["moe"]["tiles"][0] and moe._DECODE_ROWS == tiles["moe"]["decode_rows"]
+    assert (*attention._TILE, attention._STAGES) == tiles["attention"]["forward"]
+    assert attention._DELTA_ROWS == tiles["attention"]["backward_delta_rows"]
+    assert norm._ELEMENTS == tiles["rms_norm_elements"] and logprobs._BLOCK == tiles["logprob_block"]
+
+
 def test_bad_cpu_accumulation_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, "fp16")
     with pytest.raises(ValueError, match="CONSISTENT_OPS_CPU_ACCUMULATION='fp16' is not a CPU accumulation; use"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 VERSION = 1
 
@@ -21,12 +22,50 @@ KV_BLOCK = 64
 # flash-attention-npu's consistency build walks keys in stacks of 512 (ascend backend).
 ASCEND_KV_BLOCK = 512
 
+
+
+def attention_scale(head_dim: int) -> float:
+    """The softmax scale every attention path uses unless given one: 1 / sqrt(head_dim) in fp64
+    (one spelling: ``head_dim ** -0.5`` differs from it in the last fp64 bit for some dims)."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 # Truncation (top-k / top-p / min-p) sums probabilities as int64 fixed point with this
 # many fraction bits: every sum is then exact, so no summation order can reach the bits.
 TRUNCATION_FIXED_BITS = 60
 # The Triton backend's log-softmax walks the vocabulary in blocks of this many columns,
 # in order, into an accumulator of this width (triton/logprobs.py).
 TRITON_LOGPROB_BLOCK = 4096
+# The Triton backend's tiles and launch shapes, as data: the kernels (triton/*.py) import
+# them, and the fingerprint of every backend running those kernels (triton, ascend) hashes
+# them, so a tile that changes (and with it, possibly, an order of a sum) changes the
+# fingerprint. Why each value was picked is said where it is used.
+TRITON_TILES = {
+    # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA), chosen by M and the program count
+    "gemm": {
+        "tiny": {64: (16, 64, 128, 1, 4, 4, False), 32: (64, 32, 128, 1, 4, 4, False)},
+        "narrow": {128: (64, 128, 128, 8, 4, 3, True), 64: (64, 64, 64, 1, 4, 6, True),
+                   32: (64, 32, 128, 1, 4, 4, True), 16: (64, 16, 128, 1, 4, 6, True)},
+        "mid_wide": (64, 128, 128, 8, 4, 3, True), "mid_tall": (128, 64, 64, 8, 4, 4, True),
+        "large": (128, 128, 64, 8, 4, 4, True), "huge": (256, 128, 64, 8, 8, 3, True),
+    },
+    # (rows of one expert a program, gate_up (BLOCK_N, BLOCK_K, warps, stages), down (same)),
+    # by the number of (token, slot) rows: decode up to decode_rows, interpreter pinned
+    "moe": {
+        "tiles": (128, (128, 64, 8, 4), (256, 64, 8, 3)), "decode": (16, (128, 128, 4, 3), (128, 128, 4, 3)),
+        "decode_rows": 2048, "interpreter": (128, (128, 64, 8, 3), (128, 64, 8, 3)),
+    },
+    "attention": {
+        "forward": (64, 4, 3),              # (rows = (token, query head) pairs, warps, stages)
+        "backward_dkdv": (64, 64, 4),       # (rows, keys, warps)
+        "backward_stages": 2,
+        "backward_dq": (4, 3),              # (warps, stages)
+        "backward_delta_rows": 64,          # delta = rowsum(dO * O): rows a program
+        "backward_query_chunks": (512, 16, 2 << 30),   # (tokens at least, chunks at most, partial bytes at most)
+    },
+    "rms_norm_elements": 2048,              # elements a program: a row of H >= 2048, else 2048 / H rows
+    "logprob_block": TRITON_LOGPROB_BLOCK,
+}
 
 COMMON = {
     "attention": (
@@ -203,6 +242,9 @@ CPU_ACCUMULATION = {
     },
 }
 
+TILED_BACKENDS = ("triton", "ascend")     # the backends that run the triton/ kernels (TRITON_TILES)
+
+
 def contract_text(backend: str, realisation=None) -> str:
     """The canonical text both engines hash: common rules + this backend's realisation
     (``realisation``: what an installation decides, e.g. the ascend backend's kernels and
@@ -211,6 +253,8 @@ def contract_text(backend: str, realisation=None) -> str:
         raise ValueError(f"unknown consistent_ops backend {backend!r}; choose one of {sorted(ACCUMULATION)}")
     doc = {"version": VERSION, "kv_block": KV_BLOCK, "triton_logprob_block": TRITON_LOGPROB_BLOCK, "common": COMMON,
            "backend": backend, "accumulation": ACCUMULATION[backend]}
+    if backend in TILED_BACKENDS:
+        doc["triton_tiles"] = TRITON_TILES
     if realisation is not None:
         doc["realisation"] = realisation
     return json.dumps(doc, sort_keys=True)

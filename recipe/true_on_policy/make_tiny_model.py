@@ -25,12 +25,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .models.config import ARCHITECTURES, DTYPES
+
 # Bump when the output layout or generation changes: it is part of the cache key.
 FORMAT_VERSION = 1
 
-# arch -> (HF architecture class, tie embeddings by default). Qwen3 small dense
-# models tie embeddings; Qwen3-MoE models do not.
-ARCHS = {"qwen3": ("Qwen3ForCausalLM", True), "qwen3_moe": ("Qwen3MoeForCausalLM", False)}
+# arch -> (HF architecture class, tie embeddings by default), for the architectures the shared
+# model covers. Qwen3 small dense models tie embeddings; Qwen3-MoE models do not.
+ARCHS = {arch: (name, arch == "qwen3") for name, arch in ARCHITECTURES.items()}
 
 DEFAULTS = dict(
     hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -38,7 +40,6 @@ DEFAULTS = dict(
     vocab_size=None, tokenizer_vocab=1000, max_position=4096, rope_theta=1e6,
     init_std=0.02, tie_word_embeddings=None, dtype="bfloat16", seed=0,
 )
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 # Qwen's special tokens, appended after the BPE vocabulary like Qwen's own (151643..).
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"

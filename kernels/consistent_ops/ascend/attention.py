@@ -9,6 +9,7 @@ of 128 positions only. The Triton fallback is the contract with KV_BLOCK (64).
 """
 import torch
 
+from ..contract import attention_scale
 from ..triton import attention as _triton
 from . import runtime
 
@@ -20,7 +21,7 @@ def _fa():
 
 
 def _scale(q, scale):
-    return q.shape[-1] ** -0.5 if scale is None else scale
+    return attention_scale(q.shape[-1]) if scale is None else scale
 
 
 def attention_varlen(q, k, v, cu_seqlens, scale=None):

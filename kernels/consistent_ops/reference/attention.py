@@ -7,11 +7,10 @@ vs the pages themselves, read in place through the block table); both run ``_att
 (on CPU the native one-pass loop, elsewhere its torch ops), so a token gets the same
 bits whether it was trained, prefilled, chunk-prefilled or decoded.
 """
-import math
 
 import torch
 
-from ..contract import KV_BLOCK
+from ..contract import KV_BLOCK, attention_scale
 from . import native
 from .core import exp32, matmul32, recording, sum32
 
@@ -179,7 +178,7 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
     """Packed causal attention. q [T, Hq, D]; k, v [T, Hkv, D]; cu_seqlens [S+1] int.
     Differentiable (training forward)."""
     _check_heads(q.shape[1], k.shape[1])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = attention_scale(q.shape[-1]) if scale is None else scale
     bounds = cu_seqlens.tolist()
     starts, lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     width = -(-max(lens) // KV_BLOCK) * KV_BLOCK
@@ -208,7 +207,7 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     seq_lens [S] include this step's tokens; query_start_loc [S+1]. max_query_len (a launch
     bound for backends that size grids by it) is not needed here: the lengths are read."""
     _check_heads(q.shape[1], key_cache.shape[2])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = attention_scale(q.shape[-1]) if scale is None else scale
     bounds = query_start_loc.tolist()
     starts, lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     if 0 in lens or bounds[-1] < q.shape[0]:    # padding (a padded capture size): rows of no request are 0

@@ -24,13 +24,12 @@ over them by the program that owns the query tile, key blocks in ascending order
 buffer is bounded: query tiles run in windows whose dS fits _DS_BYTES (_ds_windows).
 """
 import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ..contract import KV_BLOCK
+from ..contract import KV_BLOCK, TRITON_TILES, attention_scale
 from . import gemm
 from .common import EXACT
 
@@ -38,20 +37,22 @@ from .common import EXACT
 # chunked prefill (2k chunk at 8k: 64/4 0.83 ms vs 128/8 0.93 ms) and decode (3.1 vs 1.5 TB/s);
 # 128/8 is faster for a 16k varlen prompt (4.95 vs 5.37 ms), but one tile keeps every path's
 # instructions the same by construction.
-_TILE, _STAGES = (64, 4), 3
+_A = TRITON_TILES["attention"]
+_TILE, _STAGES = _A["forward"][:2], _A["forward"][2]
 # Backward: the dK/dV kernel (tile: rows, keys, warps) walks every (query tile, key block)
 # pair once and also stores the pair's dS (bf16); dQ is then one matmul (dS K) over those
 # blocks in key order: 5 matmuls, no atomics, deterministic. dK/dV (64, 64, 4) holds 255
 # registers and spills 136 bytes (compiler report), the fastest of the tiles probed
 # (probe_attention_bwd); the dQ kernel (_BWD_DQ: warps, stages) 96 registers, no spills.
-_BWD_DKDV, _BWD_STAGES, _BWD_DQ = (64, 64, 4), 2, (4, 3)
+_BWD_DKDV, _BWD_STAGES, _BWD_DQ = _A["backward_dkdv"], _A["backward_stages"], _A["backward_dq"]
+_DELTA_ROWS = _A["backward_delta_rows"]
 # dK/dV programs walk the query tiles of one chunk of at least _QCHUNK tokens each, at most
 # _CHUNKS chunks (fp32 partials, added in chunk order): the causal walks are unequal, and
 # shorter ones balance the SMs better than they cost in partials (H200, probe_attention_bwd:
 # 512 / 16 vs 1024 / 8 bwd 3.4 / 1.2 / 1.7 / 3.7 % faster at 4k x4 / 8k x2 / 16k x1 / 4k x1;
 # 1024 unsplit: one 4k sequence 1.11 ms vs 1.53). The partials (2 x chunks fp32 copies of K)
 # take at most _PART_BYTES: fewer chunks for very long batches (16 up to 16k tokens at 4 x 128).
-_QCHUNK, _CHUNKS, _PART_BYTES = 512, 16, 2 << 30
+_QCHUNK, _CHUNKS, _PART_BYTES = _A["backward_query_chunks"]
 # The dS blocks of the query tiles launched together (a window) take at most this much
 # memory, bounded from shapes for any packing (2 bytes a score; a window holds at least one
 # key block's worth of tiles, so this is exceeded only by a window of a single step).
@@ -554,7 +555,8 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None, qchunk=None)
     part_blocks, sb = _grid_tiles(t, s, keys)         # key blocks of every sequence, numbered flat
     qt, chunks = _query_chunks(t, tpt, 2 * hkv * part_blocks * keys * d * 4, *(qchunk or ()))   # fp32 dK, dV
     delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    _bwd_delta_kernel[(triton.cdiv(t * hq, 64),)](o, do, delta, t * hq, D=d, BLOCK=64, num_warps=4)
+    _bwd_delta_kernel[(triton.cdiv(t * hq, _DELTA_ROWS),)](o, do, delta, t * hq, D=d, BLOCK=_DELTA_ROWS,
+                                                           num_warps=4)
     windows = _ds_windows(t, s, tpt, keys, qt, keys * rows * q.element_size() * hkv, _DS_BYTES)
     ds_blocks = max((w[2] for w in windows), default=1)
     ds = torch.empty((hkv * ds_blocks * keys, rows), dtype=q.dtype, device=q.device)
@@ -599,7 +601,7 @@ class _VarlenAttention(torch.autograd.Function):
 
 def attention_varlen(q, k, v, cu_seqlens, scale=None):
     """Packed causal attention. q [T, Hq, D]; k, v [T, Hkv, D]; cu_seqlens [S+1]. Differentiable."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = attention_scale(q.shape[-1]) if scale is None else float(scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     return _VarlenAttention.apply(q, k, v, cu, scale)
@@ -613,7 +615,7 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     (padding) are exact no-ops. max_query_len is not needed: the grid is sized by shapes alone
     (_flat_tile), so mixed prefill/decode batches run as one launch and capture in CUDA graphs
     (nothing here reads device data on the host)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = attention_scale(q.shape[-1]) if scale is None else float(scale)
     dev = q.device
     qsl = query_start_loc.to(device=dev, dtype=torch.int32)
     return _forward(q, key_cache, value_cache, qsl, seq_lens.to(device=dev, dtype=torch.int32),

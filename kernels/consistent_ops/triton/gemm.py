@@ -15,23 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import TRITON_TILES
 from .common import ASCEND as _ASCEND, EXACT, HALF_DOT_PRECISION, INTERPRET as _INTERPRET
 
 # Tile by M and by the number of programs (the grid has to fill the 132 SMs without
-# splitting K). Each entry: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA).
+# splitting K). Each entry (contract.TRITON_TILES["gemm"]): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+# warps, stages, TMA).
 # Every entry walks K in BLOCK_K steps of k16 MMAs in ascending order into one fp32
 # accumulator; on the H200 all of them gave bit-identical rows (bench_triton.py --only
 # probe checks each entry against the others at M 1..4096; tests/gpu check rows across
 # every switch point). Picked from that probe (qkv and o_proj shapes, graph replays).
-_TINY = {64: (16, 64, 128, 1, 4, 4, False),      # M <= 16: mma 16-row tiles, no padded rows read
-         32: (64, 32, 128, 1, 4, 4, False)}
-_NARROW = {128: (64, 128, 128, 8, 4, 3, True),   # M <= 128: the widest BLOCK_N that still gives
-           64: (64, 64, 64, 1, 4, 6, True),      # >= _MIN_PROGRAMS programs
-           32: (64, 32, 128, 1, 4, 4, True),
-           16: (64, 16, 128, 1, 4, 6, True)}
-_MID_WIDE, _MID_TALL = (64, 128, 128, 8, 4, 3, True), (128, 64, 64, 8, 4, 4, True)   # M <= 512
-_LARGE = (128, 128, 64, 8, 4, 4, True)
-_HUGE = (256, 128, 64, 8, 8, 3, True)            # once it gives >= 2 waves of programs
+_T = TRITON_TILES["gemm"]
+_TINY = _T["tiny"]              # M <= 16: mma 16-row tiles, no padded rows read
+_NARROW = _T["narrow"]          # M <= 128: the widest BLOCK_N that still gives >= _MIN_PROGRAMS programs
+_MID_WIDE, _MID_TALL = _T["mid_wide"], _T["mid_tall"]   # M <= 512
+_LARGE = _T["large"]
+_HUGE = _T["huge"]              # once it gives >= 2 waves of programs
 _MIN_PROGRAMS, _SMS = 72, 132
 _SMEM = 200 * 1024       # operand pipeline budget per program (the H200 gives a block up to 227 KB)
 

@@ -10,12 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import TRITON_LOGPROB_BLOCK
+from ..contract import TRITON_TILES
 from ..reference import logprobs as ref
 from .autograd import with_torch_grad
 from .common import EXACT, SCALAR_DIV_RN, exp32, log32
 
-_BLOCK, _WARPS = TRITON_LOGPROB_BLOCK, 8
+_BLOCK, _WARPS = TRITON_TILES["logprob_block"], 8
 
 
 @triton.jit

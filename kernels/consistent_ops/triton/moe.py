@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import TRITON_TILES
 from ..experts import ExpertStack
 from .autograd import with_torch_grad
 from .common import ASCEND as _ASCEND, EXACT, INTERPRET as _INTERPRET, exp32
@@ -30,14 +31,20 @@ def _opts(block_n, block_k, warps, stages):
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
 
 
-# (BM rows of one expert per program, gate_up launch options, down launch options),
+# (BM rows of one expert per program, gate_up launch options, down launch options) from
+# contract.TRITON_TILES["moe"],
 # picked by the number of (token, slot) rows; measured on the H200 (bench_triton.py
 # --only probe). Every entry walks K in ascending BLOCK_K steps of k16 MMAs: the same bits
 # (tests/gpu check every entry and the switch point).
-_TILES = (128, _opts(128, 64, 8, 4), _opts(256, 64, 8, 3))    # fastest or within 3% at T 1024..8192
-_DECODE = (16, _opts(128, 128, 4, 3), _opts(128, 128, 4, 3))  # decode: a few rows per expert
-_DECODE_ROWS = 2048                                           # up to 256 tokens x top-8
-_INTERP = (128, _opts(128, 64, 8, 3), _opts(128, 64, 8, 3))   # CPU interpreter; also the fallback widths
+def _tile_set(rows, gate_up, down):
+    return rows, _opts(*gate_up), _opts(*down)
+
+
+_T = TRITON_TILES["moe"]
+_TILES = _tile_set(*_T["tiles"])          # fastest or within 3% at T 1024..8192
+_DECODE = _tile_set(*_T["decode"])        # decode: a few rows per expert
+_DECODE_ROWS = _T["decode_rows"]          # up to 256 tokens x top-8
+_INTERP = _tile_set(*_T["interpreter"])   # CPU interpreter; also the fallback widths
 
 
 def _moe_config(rows):

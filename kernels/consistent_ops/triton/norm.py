@@ -9,9 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import TRITON_TILES
 from .common import EXACT
 
-_ELEMENTS = 2048     # elements per program: a row of H >= 2048, else 2048 / H rows
+_ELEMENTS = TRITON_TILES["rms_norm_elements"]   # elements per program: a row of H >= 2048, else 2048 / H rows
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import torch
 
 # HF architecture -> model type of the shared model (qwen3.py): what true on-policy covers.
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ModelConfig:
                   rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 1e6))),
                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                   attention_bias=bool(cfg.get("attention_bias", False)),
-                  dtype=_DTYPES[str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")])
+                  dtype=DTYPES[str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")])
         if arch == "qwen3_moe":
             out._set_moe(cfg)
         return out

@@ -22,6 +22,7 @@ import logging
 import torch
 
 import consistent_ops as co
+from consistent_ops.contract import attention_scale
 from true_on_policy import sync_check
 from true_on_policy.models import CausalLM, ModelConfig, TensorParallel
 from true_on_policy.models.causal_lm import LM_HEAD, sync_names
@@ -57,7 +58,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
             # Name = the HF-style path, so vLLM finds exactly one layer index in it.
             layer.self_attn.attn = Attention(
                 num_heads=cfg.num_heads // tp.size, head_size=cfg.head_dim,
-                scale=cfg.head_dim ** -0.5, num_kv_heads=cfg.num_kv_heads // tp.size,
+                scale=attention_scale(cfg.head_dim), num_kv_heads=cfg.num_kv_heads // tp.size,
                 cache_config=vllm_config.cache_config, prefix=f"model.layers.{i}.self_attn.attn",
                 attn_backend=ConsistentAttentionBackend)
         self.contract_fingerprint = co.contract_fingerprint()  # reported by the worker (plugin.py)
