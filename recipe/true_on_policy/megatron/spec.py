@@ -29,8 +29,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 import consistent_ops as co
 from consistent_ops import parallel
 
+from ..models.causal_lm import positions_from_cu
 from ..models.layers import RMSNorm
-from ..models.qwen3 import RotaryTable
+from ..models.qwen3 import RotaryTable, moe_mix
 
 
 def _tp(group):
@@ -140,9 +141,7 @@ class ConsistentAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1)
 
     def _attend(self, q, k, v, cu):
-        lens = (cu[1:] - cu[:-1]).tolist()
-        positions = torch.cat([torch.arange(n, device=q.device) for n in lens])
-        rope = RotaryTable(positions, q.shape[-1], self.rope_theta)
+        rope = RotaryTable(positions_from_cu(cu, int(cu[-1]), q.device), q.shape[-1], self.rope_theta)
         return co.attention_varlen(rope.apply(q), rope.apply(k), v, cu)
 
 
@@ -218,15 +217,16 @@ class ConsistentMoE(MegatronModule):
 
     def forward(self, hidden_states, **_):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        ids, w = co.moe_route(x, self.router.weight.to(x.dtype), self.config.moe_router_topk,
-                              not self.config.moe_router_pre_softmax)
+        out = moe_mix(x, self.router.weight, self.config.moe_router_topk, not self.config.moe_router_pre_softmax,
+                      lambda ids, w: self._contributions(x, ids, w))
+        return out.view_as(hidden_states), None
+
+    def _contributions(self, x, ids, w):
         experts = {self.first_expert + i: (*e.linear_fc1.weight.to(x.dtype).chunk(2), e.linear_fc2.weight.to(x.dtype))
                    for i, e in enumerate(self.experts.local_experts)}
         if _tp(self.ep_group)[0] > 1:
-            contrib = _exchange_by_owner(x, ids, w, experts, self.ep_group)
-        else:
-            contrib = co.moe_expert_contributions(x, ids, w, experts, sorted(experts))[0]
-        return co.moe_combine(contrib, x.dtype).view_as(hidden_states), None
+            return _exchange_by_owner(x, ids, w, experts, self.ep_group)
+        return co.moe_expert_contributions(x, ids, w, experts, sorted(experts))[0]
 
 
 def block_spec(config, rollout_tp=1, rope_theta=1e6):

@@ -128,7 +128,7 @@ class TrainerMixin(CausalLMMixin):
         if attention_mask is None:
             flat = input_ids.reshape(-1)
             if position_ids is None:
-                position_ids = _positions_from_cu(cu_seqlens, flat.numel(), flat.device)
+                position_ids = positions_from_cu(cu_seqlens, flat.numel(), flat.device)
             logits = self.forward_packed(flat, position_ids.reshape(-1), cu_seqlens)
             return logits.reshape(*input_ids.shape, -1)
         mask = attention_mask.bool()
@@ -166,7 +166,8 @@ class ConsistentForCausalLM(TrainerMixin, CausalLM):
         return self.forward_tokens(input_ids, attention_mask, position_ids, cu_seqlens)
 
 
-def _positions_from_cu(cu_seqlens, total, device):
+def positions_from_cu(cu_seqlens, total, device):
+    """Each token's position inside its packed sequence (cu_seqlens [S+1]; None: one sequence)."""
     idx = torch.arange(total, device=device)
     if cu_seqlens is None:
         return idx

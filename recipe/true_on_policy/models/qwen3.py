@@ -111,6 +111,14 @@ class Experts(nn.Module):
         return [f"{prefix}.{e}.{p}_proj.weight" for e in self.local for p in self._PARTS[stack]]
 
 
+def moe_mix(x, router_weight, top_k, norm_topk_prob, contributions):
+    """The MoE block's math around its experts, for every host's block (this file's, the
+    Megatron spec's): contract routing of x [T, H], the per-(token, slot) contributions
+    ``contributions(ids, w)`` [T, k, H] (fp32, wherever the experts live), slot-ordered combine."""
+    ids, w = co.moe_route(x, router_weight.to(x.dtype), top_k, norm_topk_prob)
+    return co.moe_combine(contributions(ids, w), x.dtype)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + experts. Under TP the experts are spread over the ranks (contiguous id
     ranges) and their per-slot contributions exchanged by owner, so the result does
@@ -126,13 +134,14 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob, self.tp = cfg.top_k, cfg.norm_topk_prob, tp
 
     def forward(self, x):
-        ids, w = co.moe_route(x, self.gate.weight.to(x.dtype), self.top_k, self.norm_topk_prob)
+        return moe_mix(x, self.gate.weight, self.top_k, self.norm_topk_prob,
+                       lambda ids, w: self._contributions(x, ids, w))
+
+    def _contributions(self, x, ids, w):
         # local None: every expert is here (the backward then needs no host sync)
         local = self.experts.local if self.tp.sharded else None
         contrib, owned = co.moe_expert_contributions(x, ids, w, self.experts.stack(x.dtype), local)
-        if self.tp.sharded:
-            contrib = parallel.gather_owned(contrib, owned, self.tp.group)
-        return co.moe_combine(contrib, x.dtype)
+        return parallel.gather_owned(contrib, owned, self.tp.group) if self.tp.sharded else contrib
 
 
 class DecoderLayer(nn.Module):
