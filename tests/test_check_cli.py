@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import random_model, tiny_config
+from true_on_policy import truncation
 from true_on_policy.check import cli
 from true_on_policy.check import localize as loc
 from true_on_policy.check.capture import Capture, op_specs
@@ -41,9 +42,9 @@ def test_bad_truncation_flag_is_a_usage_error(flags, message, capsys):
 
 
 def test_truncation_flags_map_to_the_contract():
-    assert cli.truncation(cli.parse_args([])) is None
-    assert cli.truncation(cli.parse_args(["--top-k", "-1", "--top-p", "1"])) is None
-    assert cli.truncation(cli.parse_args(["--top-k", "20", "--top-p", "0.9"])) == (20, 0.9, 0.0)
+    assert truncation.of_settings(cli.parse_args([])) is None
+    assert truncation.of_settings(cli.parse_args(["--top-k", "-1", "--top-p", "1"])) is None
+    assert truncation.of_settings(cli.parse_args(["--top-k", "20", "--top-p", "0.9"])) == (20, 0.9, 0.0)
 
 
 @pytest.fixture(scope="module")
