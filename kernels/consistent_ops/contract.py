@@ -242,6 +242,7 @@ CPU_ACCUMULATION = {
     },
 }
 
+
 TILED_BACKENDS = ("triton", "ascend")     # the backends that run the triton/ kernels (TRITON_TILES)
 
 
