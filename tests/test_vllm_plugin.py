@@ -99,6 +99,31 @@ def test_v2_runner_without_logits_processors_runs_v1(monkeypatch):
     assert compat.use_v2_runner(SimpleNamespace(use_v2_model_runner=True)) is True
 
 
+V2_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import vllm.config.vllm as cv
+    cv.HAS_TRITON = True    # as on a GPU, where vLLM picks its V2 runner for a dense model
+    from vllm.engine.arg_utils import EngineArgs
+    cfg = EngineArgs(model=sys.argv[1], max_model_len=256).create_engine_config()
+    print(json.dumps(cfg.model_config.logits_processors))
+""")
+
+
+def test_config_hook_names_a_processor_this_vllm_runs(tmp_path):
+    """Dense Qwen3 where vLLM would pick its V2 runner: on 0.26 (V2 takes no processors) the
+    hook named sampling_v2, a module 0.26 lacks; now it names the V1 processor there."""
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    from true_on_policy.vllm import compat
+    model = ensure_tiny_model(tmp_path, "qwen3", hidden_size=64, num_layers=1, head_dim=16)
+    env = {**os.environ, "TRUE_ON_POLICY": "1"}
+    env.pop(compat.V2_RUNNER_ENV, None)
+    res = subprocess.run([sys.executable, "-c", V2_SCRIPT, str(model)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = sampling.V2_PROCESSOR if compat._v2_takes_logits_processors() else sampling.V1_PROCESSOR
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [want]
+
+
 def test_entry_point_is_installed():
     from importlib.metadata import entry_points
     values = [e.value for e in entry_points(group="vllm.general_plugins")]
