@@ -71,9 +71,9 @@ def test_grpo_three_steps_top_p_top_k_then_resume(tmp_path):
 
 
 def test_ppo_with_critic_two_steps(tmp_path):
-    """... with the debug weight-sync checksum on: every sync (start-up, after each step) is exact."""
-    overrides = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.ppo_mini_batch_size=4",
-                 "critic.ppo_micro_batch_size_per_gpu=16", "critic.model.path=${actor_rollout_ref.model.path}",
+    """... the README's critic line as written (the tiny preset sizes the critic's batches),
+    with the debug weight-sync checksum on: every sync (start-up, after each step) is exact."""
+    overrides = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.model.path=${actor_rollout_ref.model.path}",
                  "true_on_policy.check_sync=true", *REWARD]
     env = {**ON, "VLLM_LOGGING_LEVEL": "INFO"}   # verl's default (WARN) hides the rollout's sync lines
     rc, out, records = _train(tmp_path, "qwen3_moe", env, steps=2, overrides=overrides)

@@ -26,6 +26,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
+from processes import JOB_MARK, reap
 from true_on_policy.verl import cpu_support
 
 pytestmark = pytest.mark.skipif(cpu_support.accelerator_available(),
@@ -257,19 +258,26 @@ def test_verl_reads_the_task_and_loads_the_reward(tmp_path):
 # An exception line, after Ray's "(Actor pid=…)" prefix if any: a process of the job died of it.
 FATAL = re.compile(r"^(\([^)]*pid=\d+[^)]*\)\s*)?[\w.]*(Error|Exception): ")
 GRACE_S = 60     # after a fatal line, time the job gets to exit by itself
+INTERRUPT_S = 30  # after SIGINT / SIGTERM, time the job gets to exit
 
 
 def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo", timeout=1200, metrics=None,
-            grace=GRACE_S, python=PYTHON):
+            grace=GRACE_S, python=PYTHON, interrupt=None, stray=None, command=None):
     """A training job in its own process group; returns (exit code, console, per-step records).
     Records are the JSON lines of verl's file logger (VERL_FILE_LOGGER_PATH; the recipe points
     it at its hydra run dir). A job that prints an exception line and is still running
     ``grace`` seconds later is stopped at once (a dead Ray or vLLM worker can leave verl waiting
-    forever): the test fails with the cause, not by its timeout."""
+    forever): the test fails with the cause, not by its timeout.
+    ``interrupt=(step, signal)``: sends the signal to the job's main process once the metrics
+    file holds that step; the job then gets INTERRUPT_S to exit. Every process the job started
+    (Ray, vLLM: marked through the environment) is gone when this returns, pass or fail;
+    ``stray``, a list, receives those that were still alive after the job's exit."""
     metrics = metrics or tmp_path / "metrics.jsonl"
-    proc = subprocess.Popen([str(python), "-m", module, *overrides], stdout=subprocess.PIPE,
+    mark = f"{tmp_path}:{time.monotonic_ns()}"
+    argv = command or [str(python), "-m", module, *overrides]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=tmp_path,
-                            env={**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics), **env})
+                            env={**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics), **env, JOB_MARK: mark})
     lines, fatal = [], threading.Event()
 
     def read():
@@ -282,6 +290,10 @@ def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo",
     try:
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
+            if interrupt and _has_step(_metrics_file(metrics), interrupt[0]):
+                proc.send_signal(interrupt[1])
+                lines.append(f"[test] sent {interrupt[1].name}\n")
+                interrupt, deadline = None, time.monotonic() + INTERRUPT_S
             if fatal.wait(1.0):
                 try:
                     proc.wait(timeout=grace)
@@ -291,11 +303,29 @@ def run_job(tmp_path, env: dict, overrides=(), module="true_on_policy.main_ppo",
                 break
     finally:
         if proc.poll() is None:  # stopped or timed out: take Ray and vLLM down with it
+            lines.append("[test] the job was still running: killed\n")
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         reader.join(30)
+        left = reap(mark)
+        if stray is not None:
+            stray.extend(left)
+    metrics = _metrics_file(metrics)
     records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
     return proc.returncode, "".join(lines), records
+
+
+def _metrics_file(metrics):
+    """``metrics``, or the one metrics.jsonl under it (a hydra run dir the job chose)."""
+    return next(iter(sorted(metrics.rglob("metrics.jsonl"))), metrics) if metrics.is_dir() else metrics
+
+
+def _has_step(metrics, step) -> bool:
+    try:
+        return any(json.loads(ln)["step"] >= step for ln in metrics.read_text().splitlines()
+                   if ln.endswith("}") and '"timing_s/step"' in ln)
+    except (OSError, ValueError):
+        return False
 
 
 def test_a_job_whose_worker_died_ends_at_once_with_the_cause(tmp_path):

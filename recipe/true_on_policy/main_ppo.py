@@ -26,7 +26,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from true_on_policy import quiet, sync_check
+from true_on_policy import interrupt, quiet, sync_check
 from true_on_policy.console import Console, route_metrics
 
 log = logging.getLogger("true_on_policy")
@@ -92,9 +92,11 @@ def run(config: DictConfig, explicit: set[str] = frozenset(), metrics: Path | No
     print(f"[true_on_policy] model {config.actor_rollout_ref.model.path}; starting Ray, the trainer "
           f"and the rollout engines", flush=True)
     if metrics is None:
+        interrupt.arm(config)
         verl_main_ppo.main(config)  # hydra passes a given config straight to verl's main
         return
     route_metrics(config, metrics)
+    interrupt.arm(config)
     with Console(metrics, rows=config.true_on_policy.step_table):
         verl_main_ppo.main(config)
 

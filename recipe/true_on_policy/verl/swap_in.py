@@ -50,7 +50,7 @@ def _driver(module):
 def _prepare_job(config):
     from omegaconf import OmegaConf, open_dict
 
-    from .. import console, quiet
+    from .. import console, interrupt, quiet
     from . import cpu_support, preflight, self_check
     written = cpu_support.prepare_job(config)   # a CPU host: its settings (command-line keys win)
     if written:
@@ -62,6 +62,7 @@ def _prepare_job(config):
     metrics = OmegaConf.select(config, "true_on_policy.metrics_file", default=None)
     if metrics and console.routed(config) is None:   # a swap-in job's; the recipe routes its own
         console.follow(config, Path(str(metrics)).expanduser().absolute())
+    interrupt.arm(config)     # SIGINT / SIGTERM end the job cleanly, Ray and vLLM with it
     with open_dict(config):   # the trainer emulates the rollout's TP sums (hf_model.TP_ATTR)
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
         config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
