@@ -115,9 +115,9 @@ def test_compare_phases_counts_bitwise_equality():
 def test_op_names_in_forward_order(arch):
     model = random_model(tiny_config(arch))
     names = [n for n, *_ in op_specs(model)]
-    mlp = "moe" if arch == "qwen3_moe" else "mlp"
-    assert names[:9] == ["embedding", "layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj", "layers.0.q_norm",
-                         "layers.0.k_norm", "layers.0.attn", "layers.0.o_proj", f"layers.0.{mlp}"]
+    mlp = ["layers.0.experts", "layers.0.moe"] if arch == "qwen3_moe" else ["layers.0.mlp"]
+    assert names[:8 + len(mlp)] == ["embedding", "layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj",
+                                    "layers.0.q_norm", "layers.0.k_norm", "layers.0.attn", "layers.0.o_proj", *mlp]
     assert names[-2:] == ["norm", "logits"]
 
 
@@ -156,3 +156,33 @@ def test_compare_uses_only_positions_both_engines_computed():
     last = {"logits": (torch.tensor([4]), torch.tensor([[8., 9.]]))}
     row = loc.compare(last, full)["ops"][0]
     assert row["equal"] and row["positions"] == 1
+
+
+def test_routing_agreement_per_layer_and_first_differing_layer():
+    """Same weights: every top-k set agrees (1.0). Layer 1's router changed in one engine:
+    layer 0 still agrees, layer 1 does not, and it is named as the first differing layer."""
+    cfg = tiny_config("qwen3_moe")
+    ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
+    a, b = random_model(cfg), random_model(cfg)
+    same = loc.routing_agreement(_capture(a, ids), _capture(b, ids))
+    assert same == {"fraction": 1.0, "per_layer": [1.0, 1.0], "first_differing_layer": None, "tokens": 24}
+    with torch.no_grad():
+        gate = b.model.layers[1].mlp.gate.weight
+        gate.copy_(gate.flip(0))                                   # experts renumbered: other sets
+    flipped = loc.routing_agreement(_capture(a, ids), _capture(b, ids))
+    assert flipped["per_layer"][0] == 1.0 and flipped["per_layer"][1] < 1.0
+    assert flipped["first_differing_layer"] == 1 and flipped["fraction"] < 1.0
+    assert "first differing: layer 1" in loc.format_routing(flipped)
+    assert loc.routing_agreement(_capture(random_model(tiny_config("qwen3")), ids), {}) is None
+
+
+def test_hf_routes_are_its_router_indices(tmp_path):
+    """Stock HF transformers' Qwen3-MoE: the experts op holds the indices its router chose."""
+    from true_on_policy.check import trainer as check_trainer
+    from true_on_policy.make_tiny_model import ensure_tiny_model
+    model = ensure_tiny_model(tmp_path, "qwen3_moe", hidden_size=64, num_layers=2, head_dim=16)
+    tokens = list(range(5, 25))
+    cap = check_trainer.capture(str(model), tokens, 1, stock=True)
+    pos, routes = cap["layers.1.experts"]
+    assert torch.equal(pos, torch.arange(len(tokens))) and routes.shape == (len(tokens), 2)
+    assert (routes[:, 0] < routes[:, 1]).all()                     # a sorted set of distinct experts

@@ -88,3 +88,19 @@ def test_registry_across_ray_processes():
         assert contract_registry.compare(contract_registry.collect())[0] is False
     finally:
         ray.shutdown()
+
+
+def test_per_turn_metrics_follow_the_response_mask_runs():
+    """A multi-turn response mask (model tokens 1, tool tokens 0): one logdiff per assistant
+    turn; the tool tokens' log-probs (here wildly off) count nowhere. Single-turn: no keys."""
+    rollout = -torch.arange(16.0).reshape(2, 8) / 16        # dyadic: the differences are exact
+    actor = rollout.clone()
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0], [1, 0, 1, 0, 1, 1, 0, 0]], dtype=torch.float)
+    actor[mask == 0] += 5.0                        # tool / padding positions: ignored
+    actor[1, 4] += 0.25                            # sample 1's third turn
+    assert torch.equal(guard.turn_index(mask), torch.tensor([[1, 1, 0, 0, 2, 2, 2, 0], [1, 0, 2, 0, 3, 3, 0, 0]]))
+    m = guard.turn_metrics(rollout, actor, mask)
+    assert m == {"true_on_policy/turn_1/logdiff_max": 0.0, "true_on_policy/turn_1/num_tokens": 3,
+                 "true_on_policy/turn_2/logdiff_max": 0.0, "true_on_policy/turn_2/num_tokens": 4,
+                 "true_on_policy/turn_3/logdiff_max": 0.25, "true_on_policy/turn_3/num_tokens": 2}
+    assert guard.turn_metrics(rollout, actor, torch.ones(2, 8)) == {}

@@ -2,7 +2,8 @@
 
 An op is a named point in the forward pass, in forward order: ``embedding``; per
 layer ``q_proj k_proj v_proj q_norm k_norm attn o_proj`` and ``mlp`` (dense) or
-``moe``; ``norm``; ``logits``. ``attn`` is the attention output (o_proj's input);
+``experts moe``; ``norm``; ``logits``. ``experts`` is the MoE router's choice: each token's
+top-k expert ids, sorted (a set), as that engine routed it. ``attn`` is the attention output (o_proj's input);
 projections and norms are taken before RoPE. Every capture is flattened to
 [tokens, features] and kept in its own dtype, so comparisons are bitwise.
 
@@ -54,9 +55,28 @@ def _specs(body, head, norm, kind):
                   (p + "attn", attn.o_proj, "in", _flat(p + "attn")),
                   (p + "o_proj", attn.o_proj, "out", _flat(p + "o_proj"))]
         mlp = p + ("moe" if hasattr(layer.mlp, "experts") else "mlp")
+        if mlp.endswith("moe"):
+            specs.append(_routes(p + "experts", layer.mlp, kind))
         specs.append((mlp, layer.mlp, "out", _flat(mlp)))
     specs += [("norm", norm, "out", _flat("norm")), ("logits", head, "out", _flat("logits"))]
     return specs
+
+
+def _routes(name, block, kind):
+    """(op spec) the block's top-k expert ids per token, sorted. Ours: the contract's
+    moe_route on the block's input (the engine's own routing function and input); stock
+    vLLM: the top-k of its router logits (its CPU router takes top-k on the logits; the
+    softmax keeps the order); HF transformers: the indices its router returns."""
+    def ids(chosen):
+        return {name: chosen.reshape(-1, chosen.shape[-1]).sort(-1).values}
+    if kind == "ours":
+        import consistent_ops as co
+        return (name, block, "in", lambda x: ids(co.moe_route(
+            x, block.gate.weight.to(x.dtype), block.top_k, block.norm_topk_prob)[0]))
+    if kind == "vllm":
+        k = block.experts.top_k
+        return (name, block.gate, "out", lambda raw: ids(_first(raw).float().topk(k, -1).indices))
+    return (name, block.gate, "out", lambda raw: ids(raw[2]))
 
 
 class Capture:

@@ -8,7 +8,8 @@ on any difference (2 on a configuration error, before any engine starts).
     python -m true_on_policy.check --tp 2 --temperature 0.7 --max-num-batched-tokens 64 \\
         --enable-prefix-caching --json out.json            # exact: max |d| == 0
     python -m true_on_policy.check --stock                  # the stock gap, for reference
-    python -m true_on_policy.check --localize ...           # on a mismatch: first diverging op
+    python -m true_on_policy.check --localize ...           # on a mismatch: first diverging op;
+                                                            # MoE: routing agreement per layer
 
 Without --model a tiny random Qwen3-MoE is built (once) in a cache directory.
 """
@@ -52,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--json", help="write the summary as JSON here")
     p.add_argument("--stock", action="store_true", help="both sides without the plugin: the baseline gap")
-    p.add_argument("--localize", action="store_true", help="on a mismatch, name the first diverging op")
+    p.add_argument("--localize", action="store_true", help="on a mismatch, name the first diverging op; for MoE also the "
+                   "rollout/trainer routing agreement (top-k expert sets), per layer")
     p.add_argument("--block-size", type=int, default=32, help="KV-cache page size (tokens)")
     p.add_argument("--update-weights-from", help="after generating, load this checkpoint's weights in "
                    "place (full fp32 tensors, as verl syncs them) and generate again")
@@ -123,6 +125,11 @@ def preflight(model_dir, tp):
     except ValueError as err:
         fail(f"--model {model_dir}: {err}")
     return tok
+
+
+def is_moe(model_dir):
+    from true_on_policy.models import ModelConfig
+    return bool(ModelConfig.from_dir(model_dir).moe_layers)
 
 
 def child_env(args):
@@ -258,6 +265,9 @@ def main(argv=None):
         if args.localize and stats["first_mismatch"] is not None:
             from true_on_policy.check.localize import localize_mismatch
             localize = localize_mismatch(args, rollout, result, stats, workdir, len(tok))
+        elif args.localize and is_moe(model_dir):
+            from true_on_policy.check.localize import localize_exact
+            localize = localize_exact(args, rollout, result, workdir)
     finally:
         rollout.close()
     summary = {**summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0), **gap}

@@ -52,6 +52,32 @@ def compare(rollout, trainer):
     return {"ops": [compare_op(op, rollout[op], trainer[op]) for op in trainer if op in rollout]}
 
 
+def routing_agreement(rollout, trainer):
+    """MoE: the fraction of (token, layer) top-k expert sets both engines chose alike,
+    overall and per layer (in layer order), and the first layer where any differs (None:
+    none). None for a model without MoE layers (no ``experts`` op captured)."""
+    layers = [op for op in trainer if op.endswith(".experts") and op in rollout]
+    if not layers:
+        return None
+    per_layer, agree, total = [], 0, 0
+    for op in layers:
+        (rp, ra), (tp, ta) = rollout[op], trainer[op]
+        shared = sorted(set(rp.tolist()) & set(tp.tolist()))
+        same = (ra[_index(rp, shared)] == ta[_index(tp, shared)]).all(-1)
+        per_layer.append(float(same.float().mean()) if len(shared) else 1.0)
+        agree, total = agree + int(same.sum()), total + len(shared)
+    first = next((int(op.split(".")[1]) for op, f in zip(layers, per_layer) if f < 1.0), None)
+    return {"fraction": agree / max(total, 1), "per_layer": per_layer, "first_differing_layer": first,
+            "tokens": total // len(layers)}
+
+
+def format_routing(routing):
+    layers = " ".join(f"{f:.4f}" for f in routing["per_layer"])
+    where = "none" if routing["first_differing_layer"] is None else f"layer {routing['first_differing_layer']}"
+    return (f"routing: {routing['fraction']:.4f} of (token, layer) top-k expert sets agree over "
+            f"{routing['tokens']} tokens; per layer {layers}; first differing: {where}")
+
+
 def first_divergence(report):
     return next((r for r in report["ops"] if not r["equal"]), None)
 
@@ -74,7 +100,6 @@ def format_report(report, context=3):
 
 def localize_mismatch(args, rollout, result, stats, workdir, vocab_limit):
     """Replay the first mismatching sequence in both engines with capture on; report."""
-    from true_on_policy.check import trainer as check_trainer
     m = stats["first_mismatch"]
     phase = result["phases"][m["phase"]]
     seq = phase["sequences"][m["sequence"]]
@@ -83,14 +108,45 @@ def localize_mismatch(args, rollout, result, stats, workdir, vocab_limit):
           f"({len(tokens)} positions), capturing both engines", flush=True)
     if args.stock and args.tp > 1:
         return {"text": "--localize with --stock supports TP 1 only", "ops": []}
-    rollout.send({"cmd": "capture", "tokens": tokens, "path": str(workdir / "capture")})
-    paths = json.loads(rollout.wait_for("@@captured"))
-    ours = merge_ranks([torch.load(p) for p in sorted(paths)])
-    dtype = None if args.stock else scheme.ROLLOUT_DTYPE
-    theirs = check_trainer.capture(phase["weights"], tokens, args.tp, args.stock, dtype)
+    ours, theirs = _capture_both(args, rollout, phase["weights"], tokens, workdir)
     report = compare(ours, theirs)
     report["replay"] = _replay_check(ours, tokens, seq["output"][m["token"]], m, args, vocab_limit)
     report["text"] = format_report(report) + "\n  " + report["replay"]
+    _add_routing(report, ours, theirs)
+    first = first_divergence(report)
+    report["first_divergent_op"] = first and first["op"]
+    return report
+
+
+def _add_routing(report, rollout, trainer):
+    report["routing"] = routing_agreement(rollout, trainer)
+    if report["routing"]:
+        report["text"] += "\n  " + format_routing(report["routing"])
+
+
+def _capture_both(args, rollout, weights, tokens, workdir):
+    rollout.send({"cmd": "capture", "tokens": tokens, "path": str(workdir / "capture")})
+    paths = json.loads(rollout.wait_for("@@captured"))
+    from true_on_policy.check import trainer as check_trainer
+    ours = merge_ranks([torch.load(p) for p in sorted(paths)])
+    dtype = None if args.stock else scheme.ROLLOUT_DTYPE
+    return ours, check_trainer.capture(weights, tokens, args.tp, args.stock, dtype)
+
+
+def localize_exact(args, rollout, result, workdir):
+    """No mismatch: for an MoE model, the routing agreement over the first sequence (the
+    number R3 users watch; 1.0 under the plugin), and the ops compared on the way."""
+    phase = result["phases"][0]
+    seq = phase["sequences"][0]
+    tokens = seq["prompt"] + seq["output"]
+    print(f"[check] localize: no mismatch; capturing both engines on sequence 0 ({len(tokens)} positions) "
+          f"for the routing agreement", flush=True)
+    if args.stock and args.tp > 1:
+        return {"text": "--localize with --stock supports TP 1 only", "ops": []}
+    ours, theirs = _capture_both(args, rollout, phase["weights"], tokens, workdir)
+    report = compare(ours, theirs)
+    report["text"] = format_report(report)
+    _add_routing(report, ours, theirs)
     first = first_divergence(report)
     report["first_divergent_op"] = first and first["op"]
     return report

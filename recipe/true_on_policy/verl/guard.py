@@ -50,6 +50,30 @@ def logdiff_metrics(rollout_lp, actor_lp, mask):
             PREFIX + "num_tokens": int(mask.sum())}
 
 
+def turn_index(mask):
+    """[B, T] 1-based index of each response token's assistant turn, 0 where masked out.
+    verl's multi-turn response mask is 1 on the model's tokens and 0 on the tool's (and on
+    padding), so each run of 1s is one assistant turn: the turn boundaries verl exposes."""
+    mask = mask.bool()
+    starts = mask & ~torch.nn.functional.pad(mask, (1, 0))[:, :-1]
+    return starts.long().cumsum(1) * mask
+
+
+def turn_metrics(rollout_lp, actor_lp, mask):
+    """Per assistant turn k (a multi-turn batch only): true_on_policy/turn_k/logdiff_max and
+    /num_tokens, over every sample's k-th turn."""
+    turns = turn_index(mask)
+    if turns.numel() == 0 or int(turns.max()) < 2:
+        return {}
+    diff = (rollout_lp.float() - actor_lp.float()).abs()
+    out = {}
+    for k in range(1, int(turns.max()) + 1):
+        d = diff[turns == k]
+        out[f"{PREFIX}turn_{k}/logdiff_max"] = float(d.max())
+        out[f"{PREFIX}turn_{k}/num_tokens"] = d.numel()
+    return out
+
+
 def mismatch_report(rollout_lp, actor_lp, mask, metrics):
     diff = (rollout_lp.float() - actor_lp.float()).abs() * mask
     row, col = divmod(int(diff.flatten().argmax()), diff.shape[1])
@@ -75,6 +99,7 @@ def check_batch(data, contracts=None):
     rollout_lp, actor_lp = data.batch["rollout_log_probs"], data.batch["old_log_probs"]
     mask = response_mask(data.batch, rollout_lp)
     metrics = logdiff_metrics(rollout_lp, actor_lp, mask)
+    metrics.update(turn_metrics(rollout_lp, actor_lp, mask))
     contract_ok, contract_why = contract_registry.compare(
         contract_registry.collect() if contracts is None else contracts)
     metrics[PREFIX + "contract_match"] = float(contract_ok)
