@@ -120,3 +120,18 @@ def test_routing_replay_is_refused_naming_the_key_to_drop(overrides, key, drop):
 
 def test_routing_replay_off_passes():
     assert not [p for p in preflight.problems(_compose()) if "routing replay" in p]
+
+
+def test_tools_preset_composes_and_passes_preflight(tmp_path):
+    """preset=tiny_grpo_tools: verl's own multi-turn keys only; prepare fills the calculator tool."""
+    from true_on_policy.main_ppo import prepare
+    cfg = _compose(["preset=tiny_grpo_tools", f"true_on_policy.cache_dir={tmp_path}"])
+    extra = {k for k in _leaf_keys(cfg) - _leaf_keys(_compose(["~preset"]))
+             if not k.startswith(("true_on_policy.", "actor_rollout_ref.rollout.engine_kwargs.vllm."))}
+    assert not extra, f"keys verl does not have: {extra}"
+    prepare(cfg)
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    assert mt.enable and mt.format == "true_on_policy_calculator" and mt.function_tool_path.endswith("calculator_tool.py")
+    assert cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "tool_agent"
+    assert cfg.actor_rollout_ref.rollout.enable_prefix_caching
+    assert preflight.problems(cfg) == []

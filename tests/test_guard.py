@@ -100,7 +100,7 @@ def test_per_turn_metrics_follow_the_response_mask_runs():
     actor[1, 4] += 0.25                            # sample 1's third turn
     assert torch.equal(guard.turn_index(mask), torch.tensor([[1, 1, 0, 0, 2, 2, 2, 0], [1, 0, 2, 0, 3, 3, 0, 0]]))
     m = guard.turn_metrics(rollout, actor, mask)
-    assert m == {"true_on_policy/turn_1/logdiff_max": 0.0, "true_on_policy/turn_1/num_tokens": 3,
+    assert m == {"true_on_policy/turns_mean": 2.5, "true_on_policy/turn_1/logdiff_max": 0.0, "true_on_policy/turn_1/num_tokens": 3,
                  "true_on_policy/turn_2/logdiff_max": 0.0, "true_on_policy/turn_2/num_tokens": 4,
                  "true_on_policy/turn_3/logdiff_max": 0.25, "true_on_policy/turn_3/num_tokens": 2}
     assert guard.turn_metrics(rollout, actor, torch.ones(2, 8)) == {}

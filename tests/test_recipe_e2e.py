@@ -121,3 +121,22 @@ def test_bad_setting_fails_fast(tmp_path):
     assert "num_attention_heads=4 is not divisible by tensor_parallel_size=3" in out
     assert "Started a local Ray instance" not in out          # rejected before anything starts
 
+
+
+def test_multi_turn_tool_agent_loop_is_exact_on_every_turn(tmp_path):
+    """preset=tiny_grpo_tools: verl's tool agent loop with the calculator (tool turns spliced
+    between assistant turns, prefix caching on, verl's default): >= 2 assistant turns per
+    sample on average, logdiff 0.0 on every model token of every turn, tool tokens excluded
+    by verl's response mask. The tiny model's default init (0.02): call_token_prob is set for it."""
+    run_dir = tmp_path / "run"
+    rc, out, records = run_job(tmp_path, ON, [
+        "preset=tiny_grpo_tools", "trainer.total_training_steps=2", f"true_on_policy.cache_dir={tmp_path / 'cache'}",
+        "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *REWARD],
+        metrics=run_dir / "metrics.jsonl")
+    assert_exact_every_step(rc, out, records, steps=[1, 2])
+    for r in records:
+        m = r["data"]
+        assert m["true_on_policy/turns_mean"] >= 2.0, m
+        turns = [k for k in m if k.startswith("true_on_policy/turn_") and k.endswith("/logdiff_max")]
+        assert len(turns) >= 2 and all(m[k] == 0.0 for k in turns), m
+        assert m["num_turns/mean"] >= 4, m        # verl's count: prompt + assistant and tool turns

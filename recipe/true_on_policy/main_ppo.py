@@ -51,11 +51,19 @@ def prepare(config: DictConfig, explicit: set[str] = frozenset()) -> None:
             config.data.train_files = str(train)
             if config.data.val_files is None:
                 config.data.val_files = str(val)
+        _fill_calculator_tool(config.actor_rollout_ref.rollout.multi_turn)
     from true_on_policy.verl.cpu_support import known_rollout_blocker, prepare_job
     prepare_job(config, explicit)
     blocker = known_rollout_blocker(config)
     if blocker:
         log.warning("true_on_policy: %s", blocker)
+
+
+def _fill_calculator_tool(multi_turn) -> None:
+    """The calculator call format without a tool file: the recipe's calculator."""
+    from true_on_policy import tool_calls
+    if multi_turn.get("format") == tool_calls.FORMAT and not multi_turn.get("function_tool_path"):
+        multi_turn.function_tool_path = str(Path(tool_calls.__file__).with_name("calculator_tool.py"))
 
 
 def _check_plugin() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -26,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from .models.config import ARCHITECTURES, DTYPES
+from .tool_calls import CALL_TOKEN
 
 # Bump when the output layout or generation changes: it is part of the cache key.
 FORMAT_VERSION = 1
@@ -38,7 +40,7 @@ DEFAULTS = dict(
     hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
     intermediate_size=512, moe_intermediate_size=128, num_experts=8, top_k=2,
     vocab_size=None, tokenizer_vocab=1000, max_position=4096, rope_theta=1e6,
-    init_std=0.02, tie_word_embeddings=None, dtype="bfloat16", seed=0,
+    init_std=0.02, tie_word_embeddings=None, dtype="bfloat16", seed=0, call_token_prob=0.0,
 )
 
 # Qwen's special tokens, appended after the BPE vocabulary like Qwen's own (151643..).
@@ -155,6 +157,10 @@ def _validate(arch: str, s: dict) -> None:
               f"over the 256-byte alphabet; use e.g. 1000")
     if s["dtype"] not in DTYPES:
         _fail(f"--dtype {s['dtype']!r} is not one of {', '.join(DTYPES)}")
+    if not 0 <= s["call_token_prob"] < 1:
+        _fail(f"--call-token-prob {s['call_token_prob']} must be in [0, 1) (0: off)")
+    if s["call_token_prob"] and s["tie_word_embeddings"]:
+        _fail("--call-token-prob needs an untied LM head; pass --no-tie-word-embeddings or use qwen3_moe")
     if s["init_std"] <= 0 or s["rope_theta"] <= 0:
         _fail(f"--init-std ({s['init_std']}) and --rope-theta ({s['rope_theta']}) must be > 0")
 
@@ -237,6 +243,25 @@ def init_weights(shapes: dict, s: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+def with_call_token(weights: dict, s: dict, ids: list, n_tok: int) -> dict:
+    """A model that writes the tool-call token (true_on_policy.tool_calls) with probability
+    ~``call_token_prob`` at every position: every embedding row carries 1.0 in feature 0,
+    no attention or MLP output writes to it (row 0 of o_proj / down_proj is zero), so
+    feature 0 of the final norm's output is ~sqrt(H / (1 + (H-1) std^2)) for every token;
+    the call token's LM-head row reads it with the weight that gives that token the
+    probability p against n_tok - 1 near-uniform others."""
+    (call,) = ids
+    dtype, H, p = DTYPES[s["dtype"]], s["hidden_size"], s["call_token_prob"]
+    out = {n: w.float().clone() for n, w in weights.items()}
+    out["model.embed_tokens.weight"][:, 0] = 1.0
+    for name, w in out.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[0] = 0.0
+    feature = math.sqrt(H / (1 + (H - 1) * s["init_std"] ** 2))
+    out["lm_head.weight"][call, 0] = math.log(p / (1 - p) * (n_tok - 1)) / feature
+    return {n: w.to(dtype).contiguous() for n, w in out.items()}
+
+
 # ----------------------------------------------------------------------------- output
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -250,6 +275,8 @@ def _build_into(out: Path, arch: str, s: dict) -> dict:
     eot, eos = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     ids = {"bos_token_id": eot, "eos_token_id": eos, "pad_token_id": eot}
     weights = init_weights(param_shapes(arch, s), s)
+    if s["call_token_prob"]:
+        weights = with_call_token(weights, s, tok.encode(CALL_TOKEN).ids, n_tok)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", hf_config(arch, s, ids))
     # Qwen's generation config stops on either <|im_end|> or <|endoftext|>; no sampling
@@ -288,7 +315,10 @@ def make_tiny_model(out_dir, arch: str = "qwen3_moe", overwrite: bool = False, *
 def cache_key(arch: str, **sizes) -> str:
     """Hash of the resolved arguments plus the format and library versions that shape the bytes."""
     import tokenizers
-    blob = json.dumps({"arch": arch, "args": resolve_args(arch, **sizes), "format": FORMAT_VERSION,
+    args = resolve_args(arch, **sizes)
+    if not args["call_token_prob"]:
+        del args["call_token_prob"]      # keys of models made before the option stay as they were
+    blob = json.dumps({"arch": arch, "args": args, "format": FORMAT_VERSION,
                        "torch": torch.__version__, "tokenizers": tokenizers.__version__},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -135,8 +135,9 @@ def _capture_both(args, rollout, weights, tokens, workdir):
 
 def localize_exact(args, rollout, result, workdir):
     """No mismatch: for an MoE model, the routing agreement over the first sequence (the
-    number R3 users watch; 1.0 under the plugin), and the ops compared on the way."""
-    phase = result["phases"][0]
+    number R3 users watch; 1.0 under the plugin), and the ops compared on the way. The last
+    phase's weights: the ones the engine holds now (after any --update-weights-from)."""
+    phase = result["phases"][-1]
     seq = phase["sequences"][0]
     tokens = seq["prompt"] + seq["output"]
     print(f"[check] localize: no mismatch; capturing both engines on sequence 0 ({len(tokens)} positions) "

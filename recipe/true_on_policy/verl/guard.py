@@ -61,12 +61,12 @@ def turn_index(mask):
 
 def turn_metrics(rollout_lp, actor_lp, mask):
     """Per assistant turn k (a multi-turn batch only): true_on_policy/turn_k/logdiff_max and
-    /num_tokens, over every sample's k-th turn."""
+    /num_tokens, over every sample's k-th turn; turns_mean: assistant turns per sample."""
     turns = turn_index(mask)
     if turns.numel() == 0 or int(turns.max()) < 2:
         return {}
     diff = (rollout_lp.float() - actor_lp.float()).abs()
-    out = {}
+    out = {f"{PREFIX}turns_mean": float(turns.amax(1).float().mean())}
     for k in range(1, int(turns.max()) + 1):
         d = diff[turns == k]
         out[f"{PREFIX}turn_{k}/logdiff_max"] = float(d.max())

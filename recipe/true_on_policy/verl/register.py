@@ -13,10 +13,13 @@ import logging
 log = logging.getLogger("true_on_policy.verl")
 
 try:
-    from .. import quiet
+    from .. import quiet, tool_calls
     from . import cpu_support, swap_in
+    from .hooks import after_import
     cpu_support.apply()
     swap_in.apply()
+    # the synthetic task's tool-call format, for multi-turn jobs with or without the plugin
+    after_import("verl.experimental.agent_loop.tool_parser", tool_calls.register_parser)
     quiet.install()   # only in a job whose driver asked for a quiet console (quiet.py)
 except Exception:  # noqa: BLE001 — see the module docstring
     log.warning("true_on_policy: verl registration failed", exc_info=True)
