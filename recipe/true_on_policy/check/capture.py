@@ -27,7 +27,8 @@ def op_specs(model):
     if isinstance(model, CausalLM):
         return _specs(model.model, model.lm_head, model.model.norm, "ours")
     if hasattr(model, "logits_processor"):                 # stock vLLM Qwen3ForCausalLM / Qwen3Moe
-        return _specs(model.model, model.logits_processor, model.model.norm, "vllm")
+        return _specs(model.model, model.logits_processor, model.model.norm, "vllm",
+                      getattr(model.config, "num_experts_per_tok", None))
     return _specs(model.model, model.lm_head, model.model.norm, "hf")
 
 
@@ -38,7 +39,7 @@ def _flattener(batched):
     return flat
 
 
-def _specs(body, head, norm, kind):
+def _specs(body, head, norm, kind, top_k=None):
     _flat = _flattener(kind == "hf")
     specs = [("embedding", body.embed_tokens, "out", _flat("embedding"))]
     for i, layer in enumerate(body.layers):
@@ -56,13 +57,13 @@ def _specs(body, head, norm, kind):
                   (p + "o_proj", attn.o_proj, "out", _flat(p + "o_proj"))]
         mlp = p + ("moe" if hasattr(layer.mlp, "experts") else "mlp")
         if mlp.endswith("moe"):
-            specs.append(_routes(p + "experts", layer.mlp, kind))
+            specs.append(_routes(p + "experts", layer.mlp, kind, top_k))
         specs.append((mlp, layer.mlp, "out", _flat(mlp)))
     specs += [("norm", norm, "out", _flat("norm")), ("logits", head, "out", _flat("logits"))]
     return specs
 
 
-def _routes(name, block, kind):
+def _routes(name, block, kind, top_k=None):
     """(op spec) the block's top-k expert ids per token, sorted. Ours: the contract's
     moe_route on the block's input (the engine's own routing function and input); stock
     vLLM: the top-k of its router logits (its CPU router takes top-k on the logits; the
@@ -74,8 +75,7 @@ def _routes(name, block, kind):
         return (name, block, "in", lambda x: ids(co.moe_route(
             x, block.gate.weight.to(x.dtype), block.top_k, block.norm_topk_prob)[0]))
     if kind == "vllm":
-        k = block.experts.top_k
-        return (name, block.gate, "out", lambda raw: ids(_first(raw).float().topk(k, -1).indices))
+        return (name, block.gate, "out", lambda raw: ids(_first(raw).float().topk(top_k, -1).indices))
     return (name, block.gate, "out", lambda raw: ids(raw[2]))
 
 
