@@ -40,10 +40,8 @@ def test_parser_is_registered_in_verl_and_calls_on_the_stop_token(tokenizer):
 
 
 def test_calculator_loads_as_a_verl_function_tool():
-    from pathlib import Path
-
     from verl.tools.tool_registry import load_all_tools
-    (tool,) = load_all_tools(None, str(Path(tool_calls.__file__).with_name("calculator_tool.py")))
+    (tool,) = load_all_tools(None, str(tool_calls.TOOL_FILE))
     assert tool.name == "calculator" and "expression" in tool.tool_schema.function.parameters.properties
     assert asyncio.run(tool.call({"expression": "so 12+7"})) == "19"
 

@@ -63,7 +63,7 @@ def _fill_calculator_tool(multi_turn) -> None:
     """The calculator call format without a tool file: the recipe's calculator."""
     from true_on_policy import tool_calls
     if multi_turn.get("format") == tool_calls.FORMAT and not multi_turn.get("function_tool_path"):
-        multi_turn.function_tool_path = str(Path(tool_calls.__file__).with_name("calculator_tool.py"))
+        multi_turn.function_tool_path = str(tool_calls.TOOL_FILE)
 
 
 def _check_plugin() -> None:

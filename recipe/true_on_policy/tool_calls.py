@@ -14,9 +14,11 @@ position, so verl's tool agent loop runs several assistant turns per sample.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 FORMAT = "true_on_policy_calculator"
 CALL_TOKEN = "="
+TOOL_FILE = Path(__file__).with_name("verl") / "calculator_tool.py"   # a verl function tool
 _EXPRESSION = re.compile(r"(-?\d+(?:\s*[-+*]\s*-?\d+)+)\s*$")
 
 

@@ -15,7 +15,7 @@ log = logging.getLogger("true_on_policy.verl")
 try:
     from .. import quiet, tool_calls
     from . import cpu_support, swap_in
-    from .hooks import after_import
+    from ..hooks import after_import
     cpu_support.apply()
     swap_in.apply()
     # the synthetic task's tool-call format, for multi-turn jobs with or without the plugin
