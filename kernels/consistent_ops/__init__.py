@@ -65,8 +65,8 @@ def add_rms_norm(x, residual, weight, eps):
     return get_backend().add_rms_norm(x, residual, weight, eps)
 
 
-def rope_cos_sin(positions, head_dim, theta):
-    return get_backend().rope_cos_sin(positions, head_dim, theta)
+def rope_cos_sin(positions, head_dim, theta, scaling=None):
+    return get_backend().rope_cos_sin(positions, head_dim, theta, scaling)
 
 
 def apply_rope(x, cos, sin):

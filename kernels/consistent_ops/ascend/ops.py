@@ -53,8 +53,8 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     return chunked(_moe.moe_expert_contributions, _MOE_TOKENS, (x, ids, weights), experts, local_experts)
 
 
-def rope_cos_sin(positions, head_dim, theta):
-    cos, sin = _ref_pointwise.rope_cos_sin(positions.cpu(), head_dim, theta)
+def rope_cos_sin(positions, head_dim, theta, scaling=None):
+    cos, sin = _ref_pointwise.rope_cos_sin(positions.cpu(), head_dim, theta, scaling)
     return cos.to(positions.device), sin.to(positions.device)
 
 

@@ -1,15 +1,49 @@
 """Pointwise ops: RoPE, SiLU*mul, embedding."""
+import math
+
 import torch
 
 from .core import exp32
 
 
-def rope_cos_sin(positions, head_dim, theta):
+def rope_cos_sin(positions, head_dim, theta, scaling=None):
     """cos, sin [T, head_dim/2] fp32 for integer positions [T]; each row depends on its
-    position alone (fp64 angles and trig, one rounding), never on the table length."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    position alone (fp64 angles and trig, one rounding), never on the table length.
+    ``scaling``: None (plain RoPE) or the resolved parameters of a scaled RoPE (contract "rope")."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    return torch.cos(angles).float(), torch.sin(angles).float()
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if scaling and scaling.get("attention_factor", 1.0) != 1.0:
+        cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
+    return cos.float(), sin.float()
+
+
+def rope_inv_freq(head_dim, theta, scaling=None, device=None):
+    """[head_dim/2] fp64: theta^(-2i/d), then the scaling's frequency rule (transformers'
+    _compute_{linear_scaling,yarn}_parameters, in fp64)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "yarn":
+        low, high = _yarn_range(head_dim, theta, scaling)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp           # 1: the frequency kept, 0: divided by the factor
+        return inv_freq / scaling["factor"] * (1 - extrapolate) + inv_freq * extrapolate
+    raise NotImplementedError(f"rope_type={kind!r} is not in the contract; use default, linear or yarn")
+
+
+def _yarn_range(d, theta, s):
+    """The dimensions [low, high] between which YaRN ramps from extrapolation to interpolation."""
+    dim = lambda rotations: d * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (
+        2 * math.log(theta))
+    low, high = dim(s["beta_fast"]), dim(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    return low, (high + 0.001 if low == high else high)     # transformers' guard against 0/0
 
 
 def apply_rope(x, cos, sin):

@@ -22,8 +22,8 @@ class RotaryTable:
     argument: FSDP mixed precision casts floating tensors passed to a wrapped layer's
     forward to its param dtype, which would round these fp32 tables to bf16."""
 
-    def __init__(self, positions, head_dim, theta):
-        self.cos, self.sin = co.rope_cos_sin(positions, head_dim, theta)
+    def __init__(self, positions, head_dim, theta, scaling=None):
+        self.cos, self.sin = co.rope_cos_sin(positions, head_dim, theta, scaling)
 
     def apply(self, x):
         return co.apply_rope(x, self.cos, self.sin)
@@ -177,7 +177,7 @@ class Qwen3Model(nn.Module):
         """attend(layer_idx, q, k, v) -> [T, Hq, D]; ``hidden`` overrides the embedding."""
         if hidden is None:
             hidden = self.embed_tokens(input_ids, self.cfg.dtype)
-        rope = RotaryTable(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        rope = RotaryTable(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         residual = None
         recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
