@@ -54,7 +54,8 @@ def build(path, tp, ep, rollout_tp, stock=False):
         provider.moe_token_dispatcher_type, provider.expert_tensor_parallel_size = "allgather", 1
         provider.gradient_accumulation_fusion = False
     else:
-        spec.configure_provider(provider, rollout_tp)
+        from true_on_policy.models import ModelConfig
+        spec.configure_provider(provider, ModelConfig.from_dir(path), rollout_tp)
     provider.finalize()
     provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     model = provider.provide()

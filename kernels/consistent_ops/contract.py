@@ -255,10 +255,11 @@ CPU_ACCUMULATION = {
 TILED_BACKENDS = ("triton", "ascend")     # the backends that run the triton/ kernels (TRITON_TILES)
 
 
-def contract_text(backend: str, realisation=None) -> str:
+def contract_text(backend: str, realisation=None, model=None) -> str:
     """The canonical text both engines hash: common rules + this backend's realisation
     (``realisation``: what an installation decides, e.g. the ascend backend's kernels and
-    package versions; None for backends whose realisation is fixed by this text)."""
+    package versions; None for backends whose realisation is fixed by this text) + the
+    parameters the model passes to the ops (``model``: RoPE, eps, routing, shapes; None: none)."""
     if backend not in ACCUMULATION:
         raise ValueError(f"unknown consistent_ops backend {backend!r}; choose one of {sorted(ACCUMULATION)}")
     doc = {"version": VERSION, "kv_block": KV_BLOCK, "triton_logprob_block": TRITON_LOGPROB_BLOCK, "common": COMMON,
@@ -267,10 +268,12 @@ def contract_text(backend: str, realisation=None) -> str:
         doc["triton_tiles"] = TRITON_TILES
     if realisation is not None:
         doc["realisation"] = realisation
+    if model is not None:
+        doc["model"] = model
     return json.dumps(doc, sort_keys=True)
 
 
-def fingerprint(backend: str, realisation=None) -> str:
+def fingerprint(backend: str, realisation=None, model=None) -> str:
     """Short id logged by both engines; equal fingerprints = same numerics."""
-    digest = hashlib.sha256(contract_text(backend, realisation).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(contract_text(backend, realisation, model).encode()).hexdigest()[:12]
     return f"cops-v{VERSION}-{backend}-{digest}"

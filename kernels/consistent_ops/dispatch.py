@@ -52,7 +52,8 @@ def backend_name():
     return get_backend().NAME
 
 
-def contract_fingerprint():
-    """The fingerprint of the active backend's contract; both engines log and compare it."""
+def contract_fingerprint(model=None):
+    """The fingerprint of the active backend's contract; both engines log and compare it.
+    ``model``: the model's op parameters (models.ModelConfig.numerics()), hashed in with it."""
     backend = get_backend()
-    return fingerprint(backend.NAME, backend.realisation() if hasattr(backend, "realisation") else None)
+    return fingerprint(backend.NAME, backend.realisation() if hasattr(backend, "realisation") else None, model)

@@ -152,3 +152,13 @@ def cpu_threads_bind(tp: int) -> str:
     per = max(1, len(cpus) // tp)
     groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def megatron_model_problems(cfg):
+    """Config features Megatron-Bridge's Qwen3 / Qwen3-MoE providers drop (cfg: models.ModelConfig):
+    the Megatron trainer would compute another model than the rollout."""
+    if cfg.attention_bias:
+        yield "attention_bias=True: Megatron-Bridge's Qwen3 providers build no attention bias; use actor.strategy=fsdp"
+    if cfg.num_experts and cfg.moe_layers != list(range(cfg.num_layers)):
+        yield (f"MoE in layers {cfg.moe_layers} of {cfg.num_layers} (mlp_only_layers / decoder_sparse_step): "
+               f"Megatron-Bridge's Qwen3-MoE provider makes every layer MoE; use actor.strategy=fsdp")

@@ -47,7 +47,7 @@ def summary_json(args, plan, model_dir, result, stats, localize, wall_s):
         phases=[dict(name=PHASE_NAMES[i], weights=p["weights"], **s)
                 for i, (p, s) in enumerate(zip(result["phases"], stats["phases"]))],
         phase_outputs_differ=_phases_differ(result["phases"]), first_mismatch=stats["first_mismatch"],
-        rollout_fingerprint=result.get("fingerprint"), trainer_fingerprint=_trainer_fingerprint(args),
+        rollout_fingerprint=result.get("fingerprint"), trainer_fingerprint=_trainer_fingerprint(args, model_dir),
         engine_start_s=result.get("engine_start_s"), generate_s=result.get("generate_s"),
         rollout_tokens_per_s=gen_tokens / result["generate_s"] if result.get("generate_s") else None,
         wall_s=wall_s, localize=localize)
@@ -68,11 +68,12 @@ def _phases_differ(phases):
                for x, y in zip(a["sequences"], b["sequences"]))
 
 
-def _trainer_fingerprint(args):
+def _trainer_fingerprint(args, model_dir):
     if args.stock:
         return None
     import consistent_ops as co
-    return co.contract_fingerprint()
+    from true_on_policy.models import ModelConfig
+    return co.contract_fingerprint(ModelConfig.from_dir(model_dir).numerics())
 
 
 def print_summary(s):

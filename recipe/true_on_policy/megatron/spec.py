@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 import consistent_ops as co
 from consistent_ops import parallel
 
+from .. import scheme
 from ..models.causal_lm import positions_from_cu
 from ..models.layers import RMSNorm
 from ..models.qwen3 import RotaryTable, moe_mix
@@ -123,9 +124,9 @@ class ConsistentAttention(MegatronModule):
     with position_embedding_type='none'), then the contract's packed causal varlen attention."""
 
     def __init__(self, config, layer_number=None, attn_mask_type=None, attention_type=None, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None, rope_theta=1e6):
+                 softmax_scale=None, pg_collection=None, rope_theta=1e6, rope_scaling=None):
         super().__init__(config)
-        self.rope_theta = rope_theta
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -141,7 +142,8 @@ class ConsistentAttention(MegatronModule):
         return out.reshape(b, s, -1).transpose(0, 1)
 
     def _attend(self, q, k, v, cu):
-        rope = RotaryTable(positions_from_cu(cu, int(cu[-1]), q.device), q.shape[-1], self.rope_theta)
+        rope = RotaryTable(positions_from_cu(cu, int(cu[-1]), q.device), q.shape[-1], self.rope_theta,
+                           self.rope_scaling)
         return co.attention_varlen(rope.apply(q), rope.apply(k), v, cu)
 
 
@@ -229,7 +231,7 @@ class ConsistentMoE(MegatronModule):
         return co.moe_expert_contributions(x, ids, w, experts, sorted(experts))[0]
 
 
-def block_spec(config, rollout_tp=1, rope_theta=1e6):
+def block_spec(config, rollout_tp=1, rope_theta=1e6, rope_scaling=None):
     """TransformerBlockSubmodules for a Qwen3 / Qwen3-MoE GPTModel (every layer MoE when
     ``config.num_moe_experts``), partials at the rollout's TP degree."""
     row = partial(ConsistentRowParallelLinear, rollout_tp=rollout_tp)
@@ -240,7 +242,8 @@ def block_spec(config, rollout_tp=1, rope_theta=1e6):
         self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                                   submodules=SelfAttentionSubmodules(
                                       linear_qkv=ConsistentColumnParallelLinear,
-                                      core_attention=partial(ConsistentAttention, rope_theta=rope_theta),
+                                      core_attention=partial(ConsistentAttention, rope_theta=rope_theta,
+                                                             rope_scaling=rope_scaling),
                                       linear_proj=row, q_layernorm=ConsistentNorm, k_layernorm=ConsistentNorm)),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=ConsistentNorm,
@@ -275,17 +278,22 @@ PROVIDER_SETTINGS = dict(position_embedding_type="none", should_pad_vocab=False,
                          moe_grouped_gemm=False, moe_permute_fusion=False, gradient_accumulation_fusion=False)
 
 
-def configure_provider(provider, rollout_tp=1):
+def configure_provider(provider, model, rollout_tp=1):
     """Point a Megatron-Bridge GPT provider (Qwen3 / Qwen3-MoE) at this spec (call before
-    ``provider.finalize()``; PROVIDER_SETTINGS may also arrive as verl overrides)."""
+    ``provider.finalize()``; PROVIDER_SETTINGS may also arrive as verl overrides). ``model``:
+    the checkpoint's models.ModelConfig, the rollout's reader (RoPE as the rollout computes it)."""
+    problems = list(scheme.megatron_model_problems(model))
+    if problems:
+        raise ValueError("; ".join(problems))
     for name, value in PROVIDER_SETTINGS.items():
         setattr(provider, name, value)
-    provider.transformer_layer_spec = partial(_spec_for, rollout_tp=rollout_tp, rope_theta=provider.rotary_base)
+    provider.transformer_layer_spec = partial(_spec_for, rollout_tp=rollout_tp, rope_theta=model.rope_theta,
+                                               rope_scaling=model.rope_scaling)
     from megatron.bridge.models.conversion.param_mapping import AutoMapping
     for name, kind in _BRIDGE_TYPES.items():      # how bridge splits/gathers our modules' weights
         AutoMapping.register_module_type(name, kind)
     return provider
 
 
-def _spec_for(config, rollout_tp, rope_theta):
-    return block_spec(config, rollout_tp, rope_theta)
+def _spec_for(config, rollout_tp, rope_theta, rope_scaling):
+    return block_spec(config, rollout_tp, rope_theta, rope_scaling)

@@ -81,9 +81,10 @@ class ModelConfig:
 
     def numerics(self) -> dict:
         """Every parameter that reaches the bits of a log-prob (hashed into the fingerprint the
-        engines compare): shapes, eps, RoPE, routing, layer kinds, dtype."""
+        engines compare): shapes, eps, RoPE, routing, layer kinds. Not the dtype: the trainer
+        takes the rollout's (scheme.dtype_problems, hf_model.DTYPE_ATTR)."""
         out = asdict(self)
-        out["dtype"] = str(self.dtype)
+        del out["dtype"]
         return out
 
 

@@ -13,6 +13,7 @@ from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.megatron import transformer_impl
 
 from .. import hf_model, scoring
+from ..models import ModelConfig
 from ..megatron import env, spec
 from . import trainer_logprobs
 
@@ -32,7 +33,7 @@ class _ContractSpec:
             raise ValueError("TRUE_ON_POLICY=1 with the Megatron actor needs Megatron-Bridge: "
                              "set actor.megatron.vanilla_mbridge=False")
         rollout_tp = int(getattr(self.model_config.hf_config, hf_model.TP_ATTR, 1) or 1)
-        spec.configure_provider(self.provider, rollout_tp)
+        spec.configure_provider(self.provider, ModelConfig.from_hf(self.model_config.hf_config), rollout_tp)
         # Bridge's hook before DDP wrapping: GPTModel's LM head gets the contract's forward.
         self.provider.register_pre_wrap_hook(lambda chunks: [spec.adopt_output_layer(m) for m in chunks])
         env.cpu_provider(self.provider)

@@ -117,7 +117,7 @@ def _model_rules(cfg):
         return
     try:
         model = ModelConfig.from_dir(path)
-    except NotImplementedError as err:
+    except (NotImplementedError, ValueError) as err:      # a config feature refused by the reader
         yield f"{err} (actor_rollout_ref.model.path={path})"
         return
     tp = int(_get(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size", 1) or 1)
@@ -142,6 +142,7 @@ def _megatron_layout_rules(cfg, model):
     mg = "actor_rollout_ref.actor.megatron."
     tp = int(_get(cfg, mg + "tensor_model_parallel_size", 1) or 1)
     yield from (f"{p} (the trainer's {mg}tensor_model_parallel_size)" for p in scheme.tp_problems(model, tp))
+    yield from scheme.megatron_model_problems(model)
     ep = int(_get(cfg, mg + "expert_model_parallel_size", 1) or 1)
     experts = model.num_experts or 0
     if ep > 1 and experts % ep:
