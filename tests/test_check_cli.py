@@ -57,7 +57,9 @@ def _bad_dirs(root, model):
     """Checkpoint dirs that are each wrong in one way."""
     (root / "empty").mkdir()
     for name, edit in (("llama", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
-                       ("small_vocab", {"vocab_size": 512})):
+                       ("small_vocab", {"vocab_size": 512}),
+                       ("dynamic_rope", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+                       ("sliding", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0})):
         shutil.copytree(model, root / name)
         cfg = json.loads((root / name / "config.json").read_text())
         (root / name / "config.json").write_text(json.dumps({**cfg, **edit}))
@@ -69,6 +71,8 @@ def _bad_dirs(root, model):
     (["--model", "{root}/empty"], {}, "--model {root}/empty has no config.json"),
     (["--model", "{root}/llama"], {}, "architecture ['LlamaForCausalLM'] / model_type 'llama' is not supported"),
     (["--model", "{root}/small_vocab"], {}, "the tokenizer has 1003 tokens but the model's vocab_size is 512"),
+    (["--model", "{root}/dynamic_rope"], {}, "rope_type='dynamic' (rope_parameters / rope_scaling): not in the contract"),
+    (["--model", "{root}/sliding"], {}, "use_sliding_window=True (sliding_window=8): sliding-window attention"),
     (["--model", "{model}", "--prompts", "0"], {}, "--prompts 0: use 1 or more"),
     (["--model", "{model}", "--max-tokens", "0"], {}, "--max-tokens 0: use 1 or more"),
     (["--model", "{model}"], {"CONSISTENT_OPS_BACKEND": "cpu"}, "CONSISTENT_OPS_BACKEND='cpu' is not a backend"),

@@ -8,6 +8,7 @@ the dense gaps are ~0.05 here, and MoE routing flips near ties make any bound me
 BOUND is far below that bf16 noise. The companions show the bound has teeth: the model that
 reads a feature the other way (plain RoPE for YaRN, the other theta) is > 0.5 away.
 """
+import copy
 import json
 
 import pytest
@@ -84,7 +85,9 @@ def config_json(arch, edits):
 
 
 def hf_config(raw):
-    return transformers.AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    """transformers' config object (it edits nested dicts in place: a copy)."""
+    raw = copy.deepcopy(raw)
+    return transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
 
 
 def same_weights(raw, seed=0):
@@ -160,3 +163,18 @@ def test_one_reader_for_dict_and_config_object():
         obj = hf_config(raw)
         assert ModelConfig.from_hf(raw) == ModelConfig.from_hf(obj) == ModelConfig.from_hf(json.loads(
             json.dumps(obj.to_dict())))
+
+
+def test_fingerprint_covers_the_parameters_that_change_bits():
+    """Both engines hash ModelConfig.numerics() into the fingerprint they report: one reader,
+    one fingerprint; any bit-changing parameter read differently, another fingerprint."""
+    import consistent_ops as co
+    raw = config_json("qwen3_moe", {"rope_scaling": {"type": "yarn", **YARN}})
+    base = co.contract_fingerprint(ModelConfig.from_hf(raw).numerics())
+    assert base == co.contract_fingerprint(ModelConfig.from_hf(hf_config(raw)).numerics())
+    assert base != co.contract_fingerprint()
+    for edits in ({"rope_theta": 5e5}, {"rms_norm_eps": 1e-5}, {"norm_topk_prob": False}, {"mlp_only_layers": [1]},
+                  {"rope_scaling": {"type": "yarn", **YARN, "beta_fast": 16}}, {"rope_scaling": None}):
+        other = ModelConfig.from_hf({**raw, **edits, "rope_parameters": None} if "rope_theta" in edits else
+                                    {**raw, **edits})
+        assert co.contract_fingerprint(other.numerics()) != base, edits

@@ -90,11 +90,10 @@ COMMON = {
     "rope": (
         "neox rotate-half; inv_freq = theta^(-2i/d) and angles = pos * inv_freq in fp64; "
         "cos/sin in fp64 rounded to fp32 per position (never depends on table length); "
-        "y = x*cos + rotate_half(x)*sin in fp32, rounded to dtype"),
-    # Scaled RoPE as transformers computes it (modeling_rope_utils), every step in fp64 (Python
-    # floats for scalars); the parameters arrive resolved (defaults filled by the config reader).
-    "rope_scaling": (
-        "linear: inv_freq / factor. yarn: c(r) = d*ln(original_max_position_embeddings / (2*pi*r)) / "
+        "y = x*cos + rotate_half(x)*sin in fp32, rounded to dtype. "
+        # Scaled RoPE as transformers computes it (modeling_rope_utils), every step in fp64 (Python
+        # floats for scalars); the parameters arrive resolved (defaults filled by the config reader).
+        "Scaled RoPE: linear: inv_freq / factor. yarn: c(r) = d*ln(original_max_position_embeddings / (2*pi*r)) / "
         "(2*ln(theta)); low = c(beta_fast), high = c(beta_slow), floor/ceil when truncate; low = max(low, "
         "0), high = min(high, d-1), high += 0.001 when equal; e_i = 1 - clamp((i - low)/(high - low), 0, 1) "
         "for i < d/2; inv_freq = (inv_freq/factor)*(1 - e) + inv_freq*e; cos and sin multiplied by "
