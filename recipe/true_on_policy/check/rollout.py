@@ -96,9 +96,11 @@ def main(plan_path):
         phases.append({"weights": plan["update_weights_from"],
                        "sequences": generate(llm, plan, plan["prompts"])})
     gen_s = time.time() - t1
-    # the fingerprint the engine's model class computed (its ModelConfig, this backend)
+    import consistent_ops as co
+    from true_on_policy.models import ModelConfig
     result = {"phases": phases, "generate_s": gen_s, "engine_start_s": t1 - t0,
-              "fingerprint": None if plan["stock"] else llm.collective_rpc("true_on_policy_contract")[0],
+              "fingerprint": None if plan["stock"] else co.contract_fingerprint(
+                  ModelConfig.from_dir(plan["model"]).numerics()),
               "prefix_cache_hits": _counter(llm, "vllm:prefix_cache_hits"),
               "prefix_cache_queries": _counter(llm, "vllm:prefix_cache_queries")}
     out = Path(plan["workdir"]) / "rollout.pt"
