@@ -166,7 +166,7 @@ def test_one_reader_for_dict_and_config_object():
 
 
 def test_fingerprint_covers_the_parameters_that_change_bits():
-    """Both engines hash ModelConfig.numerics() into the fingerprint they report: one reader,
+    """ModelConfig.numerics() hashed into the fingerprint (as check reports it): one reader,
     one fingerprint; any bit-changing parameter read differently, another fingerprint."""
     import consistent_ops as co
     raw = config_json("qwen3_moe", {"rope_scaling": {"type": "yarn", **YARN}})
