@@ -37,15 +37,17 @@ def is_greedy(temperature: float) -> bool:
     return temperature == 0
 
 
-def engine_temperature(temperature: float) -> float:
-    """The temperature the engine itself is given for a rollout at ``temperature``."""
-    return 0.0 if is_greedy(temperature) else 1.0
+def engine_temperature(temperature: float, seeded: bool = False) -> float:
+    """The temperature the engine itself is given for a rollout at ``temperature``: 0 for a
+    greedy or a seeded request (the contract's processor draws the seeded token and leaves
+    the engine only its argmax: seeded_draw.py), else 1."""
+    return 0.0 if is_greedy(temperature) or seeded else 1.0
 
 
 def request_temperature(temperature: float, extra_args: dict | None = None) -> dict:
     """The engine request's ``temperature`` and ``extra_args`` for a rollout at ``temperature``."""
     extra = dict(extra_args or {}, **{TEMPERATURE_KEY: float(temperature)})
-    return {"temperature": engine_temperature(temperature), "extra_args": extra}
+    return {"temperature": engine_temperature(temperature, SEED_KEY in extra), "extra_args": extra}
 
 
 def request(temperature: float, kwargs: dict) -> dict:
@@ -55,6 +57,23 @@ def request(temperature: float, kwargs: dict) -> dict:
     fields = request_temperature(temperature, kwargs.pop("extra_args", None))
     fields["extra_args"].update(cut)
     return fields
+
+
+# ----------------------------------------------------------------------------- seeded draws
+# A request whose extra_args carry SEED_KEY = [run seed, step, prompt index, sample index, phase]
+# (non-negative ints < 2^32; the verl adapter sets it from true_on_policy.seed) has each token
+# drawn by seeded_draw from that key and the token's position: the same run gives the same tokens.
+SEED_KEY = "true_on_policy_seed"
+SEED_WORDS = 5
+
+
+def seed_key_problems(key) -> list[str]:
+    """Why ``key`` (extra_args[SEED_KEY]) is not a valid request key (empty list = it is)."""
+    if (isinstance(key, (list, tuple)) and len(key) == SEED_WORDS
+            and all(isinstance(w, int) and not isinstance(w, bool) and 0 <= w < 2 ** 32 for w in key)):
+        return []
+    return [f"extra_args[{SEED_KEY!r}]={key!r} must be {SEED_WORDS} ints in [0, 2^32): "
+            f"[run seed, step, prompt index, sample index, phase]"]
 
 
 def logprob_temperature(temperature: float) -> float:

@@ -9,6 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .. import scheme
+from .seeding import seed_problems
 from ..models import ModelConfig
 
 
@@ -42,6 +43,7 @@ def _rollout_rules(cfg):
         yield (f"{ro}temperature=0: training rollouts must sample (the trainer divides its logits by this "
                f"temperature); set it > 0 (greedy belongs in {ro}val_kwargs)")
     yield from _truncation_rules(cfg, ro)
+    yield from seed_problems(cfg)
 
 
 def _sampling_settings(section) -> dict:

@@ -18,6 +18,8 @@ process only pays for what it uses:
   vLLM server   vllm_async_server              requests sample at T=1 with the rollout T
                                               carried to the contract's log-probs; reports
                                               its workers' contract (contract_match)
+  agent loop    AgentLoopWorker                with true_on_policy.seed: each request
+                                              carries its key (seeding.py)
   trainer       vllm_rollout.ServerAdapter     debug mode (TRUE_ON_POLICY_CHECK_SYNC=1):
                                               each weight sync checksummed (weight_sync.py)
   vLLM workers  (vllm.general_plugins entry)   our model class + attention backend
@@ -146,6 +148,11 @@ def _weight_sync(module):
     weight_sync.patch_sender(module)
 
 
+def _seeded_requests(module):
+    from . import seeding
+    seeding.patch_agent_loop(module)
+
+
 def _guard(module):
     from . import guard
     guard.patch_module(module)
@@ -160,6 +167,7 @@ def apply() -> bool:
     after_import("verl.workers.engine.mindspeed.transformer_impl", _mindspeed_engine)
     after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _rollout_server)
     after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", _weight_sync)
+    after_import("verl.experimental.agent_loop.agent_loop", _seeded_requests)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):
         after_import(name, _guard)
     log.info("true_on_policy: on (%s=1)", scheme.ENV)

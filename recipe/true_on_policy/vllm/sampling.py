@@ -36,12 +36,20 @@ with the verl preflight), as it rejects an engine temperature that bypasses step
 engine temperature 0 with T = 0 in extra_args: the processor makes the rows the T = 1
 log-probs, vLLM takes their argmax (ties to the lower id) and reports them
 (contract.COMMON["greedy"]).
+
+Seeded requests (``extra_args[scheme.SEED_KEY]`` = [run seed, step, prompt index, sample
+index, phase]; README "Reproducible runs"): after step 2 the processor draws the token itself
+(``seeded_draw.pin``: Gumbel-max with noise hashed from the key and the token's position, the
+other entries -inf) and the engine, at temperature 0, takes it by argmax and reports its
+log-prob. The token then depends on nothing but the key, the position and the log-probs,
+which the contract already makes independent of batch, chunking, replica and TP rank.
+Such a request must ask for ``logprobs`` <= 0 (the alternatives would read -inf).
 """
 
 import torch
 
 import consistent_ops as co
-from true_on_policy import scheme, truncation
+from true_on_policy import scheme, seeded_draw, truncation
 from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -73,18 +81,32 @@ def rollout_truncation(params: SamplingParams) -> tuple:
     return tuple(extra.get(key, off) for key, off in zip(TRUNCATION_KEYS.values(), truncation.OFF))
 
 
+def rollout_seed_key(params: SamplingParams) -> list | None:
+    """The request's seed key (scheme.SEED_KEY), or None when its draws are not seeded; a
+    greedy request has no draws to seed."""
+    key = (params.extra_args or {}).get(scheme.SEED_KEY)
+    return None if key is None or scheme.is_greedy(rollout_temperature(params)) else key
+
+
 def validate(params: SamplingParams) -> None:
     """Admission check shared by the V1 and V2 processors; raises ValueError naming the field."""
     t = rollout_temperature(params)
+    key = rollout_seed_key(params)
     settings = {name: getattr(params, name) for name in scheme.NEUTRAL}
     settings.update(zip(truncation.NAMES, rollout_truncation(params)), temperature=t)
     problems = scheme.sampling_problems(settings)
     problems += [f"{name}={value!r}: the engine's own {name} would cut the contract's rows again; pass it to "
                  f"true_on_policy.vllm.sampling.sampling_params(T, {name}=...), which applies it by the contract"
                  for name, value in _engine_truncation(params).items()]
-    if not problems and params.temperature != scheme.engine_temperature(t) and not (
-            scheme.is_greedy(t) and params.temperature < _GREEDY_EPS):
-        problems = [f"temperature={params.temperature}: the engine samples at {scheme.engine_temperature(t)} and "
+    if key is not None:
+        problems += scheme.seed_key_problems(key)
+        if params.logprobs not in (None, 0, -0):
+            problems.append(f"logprobs={params.logprobs}: a seeded request reports its sampled token's log-prob "
+                            f"only (logprobs=0); the alternatives of its pinned row are -inf")
+    engine_t = scheme.engine_temperature(t, key is not None)
+    if not problems and params.temperature != engine_t and not (
+            engine_t == 0 and params.temperature < _GREEDY_EPS):
+        problems = [f"temperature={params.temperature}: the engine samples at {engine_t} and "
                     f"the rollout temperature goes in extra_args[{TEMPERATURE_KEY!r}] "
                     f"(use true_on_policy.vllm.sampling.sampling_params(T, ...))"]
     if problems:
@@ -135,6 +157,7 @@ class ContractLogProbs(LogitsProcessor):
         self.vocab_limit = tokenizer_length(vllm_config.model_config)
         self.temperature: dict[int, float] = {}   # persistent-batch index -> T
         self.truncation: dict[int, tuple] = {}    # persistent-batch index -> (top_k, top_p, min_p)
+        self.seeded: dict[int, tuple] = {}        # persistent-batch index -> (key, prompt length, output ids)
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -143,10 +166,23 @@ class ContractLogProbs(LogitsProcessor):
         process_dict_updates(self.temperature, batch_update,
                              lambda p, _prompt, _out: scheme.logprob_temperature(rollout_temperature(p)))
         process_dict_updates(self.truncation, batch_update, lambda p, _prompt, _out: rollout_truncation(p))
+        process_dict_updates(self.seeded, batch_update, lambda p, prompt, out: None if rollout_seed_key(p) is None
+                             else (rollout_seed_key(p), len(prompt or ()), out))   # out: vLLM's live list
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         t = torch.tensor([self.temperature.get(i, 1.0) for i in range(logits.shape[0])],
                          dtype=torch.float32, device=logits.device)
         cut = truncation_columns([self.truncation.get(i, truncation.OFF) for i in range(logits.shape[0])],
                                  logits.device)
-        return contract_logprobs(logits, t, self.vocab_limit, cut)
+        logp = contract_logprobs(logits, t, self.vocab_limit, cut)
+        if not self.seeded:
+            return logp
+        rows = range(logits.shape[0])
+        entries = [self.seeded.get(i) for i in rows]
+        keys = torch.tensor([e[0] if e else [0] * scheme.SEED_WORDS for e in entries], dtype=torch.int64,
+                            device=logits.device)
+        # the drawn token's index in the whole sequence (prompt + response so far)
+        positions = torch.tensor([e[1] + len(e[2]) if e else 0 for e in entries], dtype=torch.int64,
+                                 device=logits.device)
+        seeded = torch.tensor([e is not None for e in entries], device=logits.device)
+        return seeded_draw.pin(logp, keys, positions, seeded)
