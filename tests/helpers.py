@@ -103,3 +103,14 @@ def run_gloo(fn, world=2, args=()):
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=True)
         return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+
+
+def chi_square_p(observed, expected):
+    """p-value of Pearson's chi-square (bins with expected < 5 merged into one)."""
+    small = expected < 5
+    if small.any():
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    stat = ((observed - expected) ** 2 / expected).sum()
+    df = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))

@@ -53,6 +53,15 @@ def test_greedy_temperature_channel():
     assert scheme.logprob_temperature(0.0) == 1.0 and scheme.logprob_temperature(0.7) == 0.7
 
 
+def test_seeded_request_runs_the_engine_greedy_and_checks_its_key():
+    key = {scheme.SEED_KEY: [1, 2, 3, 0, 0]}
+    assert scheme.request_temperature(0.7, key) == {"temperature": 0.0, "extra_args": {**key, scheme.TEMPERATURE_KEY: 0.7}}
+    assert scheme.seed_key_problems([1, 2, 3, 0, 0]) == []
+    for bad in ([1, 2, 3, 0], [1, 2, 3, 0, -1], [2 ** 32, 0, 0, 0, 0], [1.0, 2, 3, 0, 0], "1"):
+        (msg,) = scheme.seed_key_problems(bad)
+        assert msg.startswith(f"extra_args['{scheme.SEED_KEY}']={bad!r} must be 5 ints")
+
+
 def test_vocab_limit_refuses_a_tokenizer_larger_than_the_head():
     assert scheme.vocab_limit(1003, 1024) == 1003
     with pytest.raises(ValueError, match="the tokenizer has 1100 tokens but the model's vocab_size is 1024"):

@@ -2,7 +2,7 @@
 import torch
 
 from true_on_policy import seeded_draw as sd
-from test_vllm_sampling import chi_square_p
+from helpers import chi_square_p
 
 V = 50
 

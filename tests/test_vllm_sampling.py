@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 import consistent_ops as co  # noqa: E402
 from true_on_policy.make_tiny_model import ensure_tiny_model  # noqa: E402
+from helpers import chi_square_p  # noqa: E402
 
 DRAWS, T, CUT = 3000, 0.7, (20, 0.9, 0.0)
 SCRIPT = textwrap.dedent("""
@@ -36,17 +37,6 @@ SCRIPT = textwrap.dedent("""
         reported = [{str(tok): lp.logprob for tok, lp in o.logprobs[0].items()} for o in outs]
         print("@@" + json.dumps({"tokens": [o.token_ids[0] for o in outs], "reported": reported}))
 """)
-
-
-def chi_square_p(observed, expected):
-    """p-value of Pearson's chi-square (bins with expected < 5 merged into one)."""
-    small = expected < 5
-    if small.any():
-        observed = torch.cat([observed[~small], observed[small].sum()[None]])
-        expected = torch.cat([expected[~small], expected[small].sum()[None]])
-    stat = ((observed - expected) ** 2 / expected).sum()
-    df = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,13 @@ def seed_problems(config) -> list[str]:
     return [f"{CONFIG_KEY}={seed!r} must be an int in [0, 2^32) (or null: unseeded draws)"]
 
 
+def seed_data(config) -> None:
+    """The run seed also orders the data (verl's ``data.seed``, when the job leaves it null)."""
+    seed = run_seed(config)
+    if seed is not None and config.data.get("seed") is None:
+        config.data.seed = seed
+
+
 def request_key(seed: int, trajectory: dict) -> list[int]:
     """[run seed, step, prompt index, sample index, phase] for one request (phase 1 = validation)."""
     step = max(int(trajectory["step"]), 0)

@@ -53,7 +53,7 @@ def _prepare_job(config):
     from omegaconf import OmegaConf, open_dict
 
     from .. import console, interrupt, quiet
-    from . import cpu_support, preflight, self_check
+    from . import cpu_support, preflight, seeding, self_check
     written = cpu_support.prepare_job(config)   # a CPU host: its settings (command-line keys win)
     if written:
         print(f"[true_on_policy] CPU host: {len(written)} CPU settings applied "
@@ -69,6 +69,7 @@ def _prepare_job(config):
         tp = config.actor_rollout_ref.rollout.get("tensor_model_parallel_size", 1) or 1
         config.actor_rollout_ref.model.override_config["true_on_policy_tp_size"] = int(tp)
         _carry_truncation(config)
+        seeding.seed_data(config)
     self_check.run(config)
 
 
