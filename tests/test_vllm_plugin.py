@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 import consistent_ops as co  # noqa: E402
 from true_on_policy.models import ModelConfig  # noqa: E402
 from true_on_policy.vllm import attention as va  # noqa: E402
+from true_on_policy import scheme  # noqa: E402
 from true_on_policy.vllm import sampling  # noqa: E402
 from true_on_policy.scheme import tp_problems, valid_tp_sizes  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
@@ -299,7 +300,7 @@ def test_verl_preflight_and_vllm_admission_agree(settings):
 
 def _processor():
     proc = object.__new__(sampling.ContractLogProbs)
-    proc.vocab_limit, proc.temperature, proc.truncation = 90, {}, {}
+    proc.vocab_limit, proc.temperature, proc.truncation, proc.seeded = 90, {}, {}, {}
     return proc
 
 
@@ -337,6 +338,46 @@ def test_v2_processor_reads_temperature_by_slot(monkeypatch):
     out = proc.apply(logits.clone(), SimpleNamespace(expanded_idx_mapping=torch.tensor([3, 0])))
     assert torch.equal(out[0], co.log_softmax(logits[:1], 0.5, 90)[0])
     assert torch.equal(out[1], co.log_softmax(logits[1:], 1.0, 90)[0])
+
+
+def test_seeded_rows_are_pinned_alike_by_the_v1_and_v2_processors(monkeypatch):
+    """A seeded request (key in extra_args) runs at engine temperature 0; both processors keep only
+    the drawn token's contract log-prob (seeded_draw.pin at the drawn token's sequence position),
+    whatever the row order; unseeded rows stay the contract's; greedy sampling takes the token."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from true_on_policy import seeded_draw
+    key = lambda j: {scheme.SEED_KEY: [4, 2, 9, j, 0]}
+    seeded = [sampling.sampling_params(0.7, logprobs=0, extra_args=key(j)) for j in range(2)]
+    plain = sampling.sampling_params(0.7, logprobs=0)
+    assert seeded[0].temperature == 0.0
+    for p in (*seeded, plain):
+        sampling.validate(p)
+    logits = torch.randn(3, 100) * 3
+    logp = co.log_softmax(logits, 0.7, 90)
+    want = seeded_draw.pin(logp[:2], torch.tensor([key(0)[scheme.SEED_KEY], key(1)[scheme.SEED_KEY]]),
+                           torch.tensor([5 + 3, 5 + 3]), torch.tensor([True, True]))
+    v1 = _processor()
+    prompt, out = [1] * 5, [2] * 3                                   # the next token is the 9th (position 8)
+    v1.update_state(BatchUpdate(3, removed=[], added=[(0, plain, prompt, out), (1, seeded[1], prompt, out),
+                                                      (2, seeded[0], prompt, out)], moved=[]))
+    rows = v1.apply(logits[[2, 1, 0]].clone())
+    assert torch.equal(rows[0], logp[2]) and torch.equal(rows[2], want[0]) and torch.equal(rows[1], want[1])
+    assert Sampler.greedy_sample(rows)[1:].tolist() == [int(want[1].argmax()), int(want[0].argmax())]
+    v2 = _processor_v2(monkeypatch)
+    for slot, p in zip((3, 0, 1), (*seeded, plain)):
+        v2.add_request(slot, p)
+    v2.apply_staged_writes()
+    got = v2.apply(logits[[1, 0, 2]].clone(), SimpleNamespace(expanded_idx_mapping=torch.tensor([0, 3, 1]),
+                                                             pos=torch.tensor([7, 7, 7])))
+    assert torch.equal(got[0], want[1]) and torch.equal(got[1], want[0]) and torch.equal(got[2], logp[2])
+
+
+@pytest.mark.parametrize("extra, logprobs, match", [
+    ([4, 2, 9, 0], 0, "must be 5 ints"), ([4, 2, 9, 0, 0], 5, "logprobs=5: a seeded request")])
+def test_validate_rejects_a_bad_seeded_request(extra, logprobs, match):
+    with pytest.raises(ValueError, match=match):
+        sampling.validate(sampling.sampling_params(0.7, logprobs=logprobs, extra_args={scheme.SEED_KEY: extra}))
 
 
 def test_padded_decode_batch_is_one_call_over_the_persistent_buffers():
