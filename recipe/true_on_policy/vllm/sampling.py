@@ -100,7 +100,7 @@ def validate(params: SamplingParams) -> None:
                  for name, value in _engine_truncation(params).items()]
     if key is not None:
         problems += scheme.seed_key_problems(key)
-        if params.logprobs not in (None, 0, -0):
+        if params.logprobs not in (None, 0):
             problems.append(f"logprobs={params.logprobs}: a seeded request reports its sampled token's log-prob "
                             f"only (logprobs=0); the alternatives of its pinned row are -inf")
     engine_t = scheme.engine_temperature(t, key is not None)
