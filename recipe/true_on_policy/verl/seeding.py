@@ -1,7 +1,9 @@
 """Seeded rollouts for a verl job (README "Reproducible runs").
 
 verl's agent loop knows each request's identity: ``trajectory`` = {step, sample_index (the data
-set's ``extra_info.index``), rollout_n (the sample's number in its group), validate}. With
+set's ``extra_info.index``), rollout_n (the sample's number in its group), validate}; verl's
+TransferQueue worker (``AgentLoopWorkerTQ``, the recipe's default) instead runs the n samples
+of one trajectory as sessions (``session_id`` 0..n-1, rollout_n 0). With
 ``true_on_policy.seed`` set, each request's ``extra_args`` carry the key [seed, step, prompt
 index, sample index, phase] (scheme.SEED_KEY), from which the vLLM processor draws every token
 (vllm/sampling.py, seeded_draw.py): the tokens no longer depend on which worker, server or batch
@@ -37,10 +39,15 @@ def seed_data(config) -> None:
         config.data.seed = seed
 
 
-def request_key(seed: int, trajectory: dict) -> list[int]:
-    """[run seed, step, prompt index, sample index, phase] for one request (phase 1 = validation)."""
+SESSIONS = 1 << 16   # samples a trajectory may run as sessions (sample index = rollout_n * SESSIONS + session)
+
+
+def request_key(seed: int, trajectory: dict, session_id=None) -> list[int]:
+    """[run seed, step, prompt index, sample index, phase] for one request (phase 1 = validation).
+    Both of verl's ways to number a group's samples (rollout_n, session_id) enter the sample index."""
     step = max(int(trajectory["step"]), 0)
-    return [seed, step, int(trajectory["sample_index"]), int(trajectory["rollout_n"]), int(bool(trajectory["validate"]))]
+    sample = int(trajectory["rollout_n"]) * SESSIONS + int(session_id or 0)
+    return [seed, step, int(trajectory["sample_index"]), sample, int(bool(trajectory["validate"]))]
 
 
 def patch_agent_loop(module) -> None:
@@ -55,7 +62,7 @@ def patch_agent_loop(module) -> None:
         seed = run_seed(self.config)
         if seed is not None:
             extra = dict(sampling_params.get("extra_args") or {})
-            extra[scheme.SEED_KEY] = request_key(seed, trajectory)
+            extra[scheme.SEED_KEY] = request_key(seed, trajectory, kwargs.get("session_id"))
             sampling_params = dict(sampling_params, extra_args=extra)
         return await run(self, sampling_params, trajectory, *args, **kwargs)
 
