@@ -76,7 +76,10 @@ def _bad_dirs(root, model):
     (["--model", "{model}", "--prompts", "0"], {}, "--prompts 0: use 1 or more"),
     (["--model", "{model}", "--max-tokens", "0"], {}, "--max-tokens 0: use 1 or more"),
     (["--model", "{model}"], {"CONSISTENT_OPS_BACKEND": "cpu"}, "CONSISTENT_OPS_BACKEND='cpu' is not a backend"),
-])
+    (["--model", "{model}", "--cuda-graphs", "--localize"], {}, "--cuda-graphs with --localize"),
+] + ([] if torch.cuda.is_available() else [
+    (["--model", "{model}", "--cuda-graphs"], {}, "--cuda-graphs: no CUDA GPU in this process"),
+]))
 def test_configuration_errors_exit_2_with_one_line(tmp_path, small_model, monkeypatch, capsys, args, env, message):
     """Each bad input: exit 2, one line naming the value and the fix, no engine, no traceback."""
     root = _bad_dirs(tmp_path, small_model)

@@ -51,3 +51,30 @@ def test_unseeded_jobs_send_no_key():
     worker = _worker(None)
     (trajectory,) = asyncio.run(get_trajectory_info(1, [0], False))
     assert _keys(worker, [(trajectory, {"session_id": 1})]) == [None]
+
+
+def test_v1_trainer_batches_in_data_order_whatever_the_completion_order():
+    """verl's TransferQueue replay buffer hands over samples as they finished; under the plugin
+    the prompts' uids count up as drawn and every batch comes in (uid, session, output) order."""
+    import dataclasses as dc
+
+    from transfer_queue import KVBatchMeta
+
+    ids = seeding.SequentialIds()
+    uids = [str(ids.uuid4()) for _ in range(3)]
+    assert uids == sorted(uids) and len(set(uids)) == 3
+    done = [f"{uids[u]}_{s}_0" for u, s in [(2, 1), (0, 10), (1, 0), (0, 2), (2, 0), (0, 0)]]
+
+    class ReplayBuffer:
+        def _materialize_batch(self, partition_id, selected, snapshot):
+            return KVBatchMeta(partition_id=partition_id, keys=list(done), tags=[{"k": k} for k in done])
+
+    module = types.SimpleNamespace(ReplayBuffer=ReplayBuffer)
+    seeding.patch_replay_buffer(module)
+    seeding.patch_replay_buffer(module)
+    meta = ReplayBuffer()._materialize_batch("train", None, None)
+    assert meta.keys == [f"{uids[u]}_{s}_0" for u, s in [(0, 0), (0, 2), (0, 10), (1, 0), (2, 0), (2, 1)]]
+    assert [t["k"] for t in meta.tags] == meta.keys and dc.is_dataclass(meta)
+    trainer = types.SimpleNamespace(uuid=__import__("uuid"))
+    seeding.patch_trainer(trainer)
+    assert trainer.uuid.uuid4() == "000000000000"

@@ -138,6 +138,13 @@ def dtype_problems(name, prefix: str = "") -> list[str]:
             f"to it on both sides); set bfloat16"]
 
 
+# ----------------------------------------------------------------------------- CUDA graphs
+# vLLM's compilation_config for the plugin on CUDA (the H200 presets set the same; test_configs
+# pins them): our attention backend declares ALWAYS on Triton, so every step of up to 2,048
+# tokens (decode and mixed prefill/decode) replays one FULL graph; larger steps run eager.
+CUDA_GRAPHS = {"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 2048}
+
+
 # ----------------------------------------------------------------------------- tensor parallel
 # TP=k equals the trainer bitwise only when the model splits evenly: heads (and KV heads)
 # by rank, dense MLP columns by rank, experts placed whole on ranks. Anything else would

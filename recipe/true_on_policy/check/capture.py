@@ -93,14 +93,14 @@ class Capture:
 
     def _new_call(self, _module, args, kwargs):
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        self.calls.append({"positions": pos.detach().reshape(-1).clone()})
+        self.calls.append({"positions": pos.detach().reshape(-1).to("cpu", copy=True)})
 
     def _hook(self, module, where, fn):
         def record(raw):
             if not self.calls:
                 self.calls.append({})
             for name, t in fn(raw).items():
-                self.calls[-1][name] = t.detach().clone()
+                self.calls[-1][name] = t.detach().to("cpu", copy=True)   # compared on the host
         if where == "in":
             return module.register_forward_pre_hook(lambda _m, args: record(args[0]))
         return module.register_forward_hook(lambda _m, _a, out: record(out))

@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--localize", action="store_true", help="on a mismatch, name the first diverging op; for MoE also the "
                    "rollout/trainer routing agreement (top-k expert sets), per layer")
     p.add_argument("--block-size", type=int, default=32, help="KV-cache page size (tokens)")
+    p.add_argument("--cuda-graphs", action="store_true", help="vLLM with CUDA graphs, as a GPU job runs it "
+                   "(the plugin: scheme.CUDA_GRAPHS, FULL; --stock: vLLM's defaults); default: eager")
     p.add_argument("--update-weights-from", help="after generating, load this checkpoint's weights in "
                    "place (full fp32 tensors, as verl syncs them) and generate again")
     p.add_argument("--workdir", help="keep intermediate files here (default: a temp dir)")
@@ -70,6 +72,10 @@ def parse_args(argv=None):
         if not ok:
             fail(f"{flag} {value}: {fix}")
     truncation_errors(a)
+    if a.cuda_graphs and a.localize:
+        fail("--cuda-graphs with --localize: the op hooks need eager modules; drop one of them")
+    if a.cuda_graphs and not torch.cuda.is_available():
+        fail("--cuda-graphs: no CUDA GPU in this process; drop the flag (CPU and eager runs check the same math)")
     return a
 
 
@@ -209,6 +215,7 @@ def write_plan(args, model_dir, prompts, workdir):
                 truncation=truncation.of_settings(args),
                 max_tokens=args.max_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+                cuda_graphs=args.cuda_graphs,
                 max_model_len=-(-longest // 256) * 256, kv_cache_bytes=512 << 20, stock=args.stock,
                 update_weights_from=args.update_weights_from and str(Path(args.update_weights_from).resolve()),
                 prompts=prompts, workdir=str(workdir))

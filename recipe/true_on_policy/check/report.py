@@ -42,7 +42,7 @@ def summary_json(args, plan, model_dir, result, stats, localize, wall_s):
         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         seed=args.seed, num_sequences=sum(len(p["sequences"]) for p in result["phases"]),
         max_num_batched_tokens=args.max_num_batched_tokens, chunked_prompts=chunked,
-        enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size, cuda_graphs=args.cuda_graphs,
         prefix_cache_hits=result.get("prefix_cache_hits"), prefix_cache_queries=result.get("prefix_cache_queries"),
         phases=[dict(name=PHASE_NAMES[i], weights=p["weights"], **s)
                 for i, (p, s) in enumerate(zip(result["phases"], stats["phases"]))],

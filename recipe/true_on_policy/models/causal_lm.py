@@ -156,11 +156,14 @@ class ConsistentForCausalLM(TrainerMixin, CausalLM):
         super().__init__(cfg, TensorParallel(size=tp_size))
 
     @classmethod
-    def from_pretrained(cls, path, tp_size=1, dtype=None):
+    def from_pretrained(cls, path, tp_size=1, dtype=None, device=None):
+        """``device``: where the parameters live (default: torch's current default device)."""
         cfg = ModelConfig.from_dir(path)
         if dtype is not None:
             cfg.dtype = dtype
-        return cls(cfg, tp_size).load_checkpoint(path)
+        with torch.device(device or torch.get_default_device()):
+            model = cls(cfg, tp_size)
+        return model.load_checkpoint(path)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cu_seqlens=None):
         return self.forward_tokens(input_ids, attention_mask, position_ids, cu_seqlens)

@@ -9,9 +9,12 @@ index, sample index, phase] (scheme.SEED_KEY), from which the vLLM processor dra
 (vllm/sampling.py, seeded_draw.py): the tokens no longer depend on which worker, server or batch
 served the request. Unset (null), requests are unseeded as in stock verl.
 """
+import dataclasses
 import functools
+import itertools
 
 from .. import scheme
+from ..hooks import patch
 
 CONFIG_KEY = "true_on_policy.seed"
 
@@ -52,19 +55,58 @@ def request_key(seed: int, trajectory: dict, session_id=None) -> list[int]:
 
 def patch_agent_loop(module) -> None:
     """``AgentLoopWorker._run_agent_loop(sampling_params, trajectory, ...)``: add the request's key."""
-    worker = module.AgentLoopWorker
-    run = worker._run_agent_loop
-    if getattr(run, "_true_on_policy", False):
-        return
 
-    @functools.wraps(run)
-    async def _run_agent_loop(self, sampling_params, trajectory, *args, **kwargs):
-        seed = run_seed(self.config)
-        if seed is not None:
-            extra = dict(sampling_params.get("extra_args") or {})
-            extra[scheme.SEED_KEY] = request_key(seed, trajectory, kwargs.get("session_id"))
-            sampling_params = dict(sampling_params, extra_args=extra)
-        return await run(self, sampling_params, trajectory, *args, **kwargs)
+    def make(run):
+        @functools.wraps(run)
+        async def _run_agent_loop(self, sampling_params, trajectory, *args, **kwargs):
+            seed = run_seed(self.config)
+            if seed is not None:
+                extra = dict(sampling_params.get("extra_args") or {})
+                extra[scheme.SEED_KEY] = request_key(seed, trajectory, kwargs.get("session_id"))
+                sampling_params = dict(sampling_params, extra_args=extra)
+            return await run(self, sampling_params, trajectory, *args, **kwargs)
+        return _run_agent_loop
 
-    _run_agent_loop._true_on_policy = True
-    worker._run_agent_loop = _run_agent_loop
+    patch(module.AgentLoopWorker, "_run_agent_loop", make)
+
+
+# verl's TransferQueue trainer (verl/trainer/ppo/v1) stores each finished sample under
+# "{uid}_{session}_{output}" as it completes and hands the trainer the batch in completion order,
+# with uuid4 uids: the same samples reach the actor in another order each run, and its sums
+# (gradients, metrics) round differently. Under the plugin, uids count up in the order prompts
+# are drawn and the batch is handed over sorted by (uid, session, output): the data's order.
+class SequentialIds:
+    """Stands in for the ``uuid`` module in verl's v1 trainer: ``uuid4()`` gives 000000000000,
+    000000000001, ... (unique in the run, sorting as the prompts were drawn)."""
+
+    def __init__(self):
+        self._next = itertools.count()
+
+    def uuid4(self) -> str:
+        return f"{next(self._next):012d}"
+
+
+def patch_trainer(module) -> None:
+    """verl.trainer.ppo.v1.trainer_base: its prompts' uids from SequentialIds."""
+    if not isinstance(module.uuid, SequentialIds):
+        module.uuid = SequentialIds()
+
+
+def sample_order(key: str) -> tuple:
+    """Sort key of a TransferQueue sample key "{uid}_{session}_{output}"."""
+    uid, *rest = key.split("_")
+    return (uid, *(int(r) if r.isdigit() else -1 for r in rest))
+
+
+def patch_replay_buffer(module) -> None:
+    """verl.trainer.ppo.v1.replay_buffer: every batch handed over in sample_order."""
+
+    def make(materialize):
+        @functools.wraps(materialize)
+        def _materialize_batch(self, *args, **kwargs):
+            meta = materialize(self, *args, **kwargs)
+            order = sorted(range(len(meta.keys)), key=lambda i: sample_order(meta.keys[i]))
+            return dataclasses.replace(meta, keys=[meta.keys[i] for i in order], tags=[meta.tags[i] for i in order])
+        return _materialize_batch
+
+    patch(module.ReplayBuffer, "_materialize_batch", make)

@@ -20,6 +20,9 @@ process only pays for what it uses:
                                               its workers' contract (contract_match)
   agent loop    AgentLoopWorker                with true_on_policy.seed: each request
                                               carries its key (seeding.py)
+  TaskRunner    v1 trainer_base, replay_buffer sequential uids; batches handed to the
+                                              trainer in data order, not completion order
+                                              (seeding.py: same run, same sums)
   trainer       vllm_rollout.ServerAdapter     debug mode (TRUE_ON_POLICY_CHECK_SYNC=1):
                                               each weight sync checksummed (weight_sync.py)
   vLLM workers  (vllm.general_plugins entry)   our model class + attention backend
@@ -154,6 +157,16 @@ def _seeded_requests(module):
     seeding.patch_agent_loop(module)
 
 
+def _sequential_uids(module):
+    from . import seeding
+    seeding.patch_trainer(module)
+
+
+def _batches_in_data_order(module):
+    from . import seeding
+    seeding.patch_replay_buffer(module)
+
+
 def _guard(module):
     from . import guard
     guard.patch_module(module)
@@ -169,6 +182,8 @@ def apply() -> bool:
     after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", _rollout_server)
     after_import("verl.workers.rollout.vllm_rollout.vllm_rollout", _weight_sync)
     after_import("verl.experimental.agent_loop.agent_loop", _seeded_requests)
+    after_import("verl.trainer.ppo.v1.trainer_base", _sequential_uids)
+    after_import("verl.trainer.ppo.v1.replay_buffer", _batches_in_data_order)
     for name in ("verl.utils.debug.metrics", "verl.trainer.ppo.ray_trainer", "verl.trainer.ppo.v1.trainer_base"):
         after_import(name, _guard)
     log.info("true_on_policy: on (%s=1)", scheme.ENV)

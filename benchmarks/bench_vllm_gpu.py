@@ -1,0 +1,189 @@
+"""Real vLLM on a CUDA GPU: an RL-shaped rollout, stock vLLM vs vLLM with the true_on_policy plugin.
+
+The same checkpoint, vLLM build, prompts and requests for both; the only difference is
+TRUE_ON_POLICY=1 (and the plugin's CUDA-graph setting, scheme.CUDA_GRAPHS; stock runs vLLM's
+defaults: FA3, Triton fused MoE, cuBLAS, torch.compile + CUDA graphs). The batch is a GRPO
+rollout: --prompts prompts of about --prompt-len tokens, each sent --n times as separate
+requests (as verl's agent loop sends them; prefix caching on), T=1.0, logprobs=0 (verl asks
+for them), and per-request response lengths with a long tail (log-normal, median a quarter of
+--max-response, capped there; ignore_eos, so both engines generate exactly the same number of
+tokens). Each engine runs in its own process: start-up, one small warm-up generate, then
+--repeats timed generates of the whole batch (prefix cache reset before each). Reported:
+output tokens/s and the time to finish the batch (medians over repeats), and plugin / stock.
+
+    python3 benchmarks/bench_vllm_gpu.py --model DIR [--json out.json]
+    python3 benchmarks/bench_vllm_gpu.py --model DIR --max-response 16384 --prompts 16
+    python3 benchmarks/bench_vllm_gpu.py --model DIR --profile   # top CUDA kernels of each engine
+                                                                 # over a short decode-heavy batch
+"""
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENGINES = ("stock", "plugin")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="HF checkpoint dir (Qwen3 / Qwen3-MoE)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8, help="samples per prompt (separate requests)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-response", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--profile", action="store_true", help="instead of timing: each engine's top CUDA "
+                   "kernels (torch profiler, engine in-process) over --prompts x --n requests of 128 tokens")
+    p.add_argument("--json")
+    p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
+           if k in ("prompts", "n", "prompt_len", "max_response", "repeats") and v < 1]
+    if bad or not Path(a.model, "config.json").is_file():
+        print(f"error: {', '.join(bad) or f'--model {a.model}: no config.json'}: "
+              f"{'use 1 or more' if bad else 'pass a HF checkpoint directory'}", file=sys.stderr)
+        raise SystemExit(2)
+    return a
+
+
+def workload(args, vocab):
+    """[(prompt ids, response length)]: the same for both engines (seeded)."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(args.prompts):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(args.prompt_len * 3 // 4, args.prompt_len * 5 // 4))]
+        for _ in range(args.n):
+            length = math.exp(rng.gauss(math.log(args.max_response / 4), 0.8))
+            out.append((prompt, max(16, min(args.max_response, round(length)))))
+    return out
+
+
+# ----------------------------------------------------------------------------- child: one engine
+def build_llm(args, engine, longest):
+    from vllm import LLM
+    kwargs = dict(model=args.model, seed=0, enable_prefix_caching=True, max_model_len=longest,
+                  gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
+    if engine == "plugin":
+        from true_on_policy import scheme
+        kwargs.update(dtype="bfloat16", compilation_config=dict(scheme.CUDA_GRAPHS))
+    else:
+        kwargs["logprobs_mode"] = "processed_logprobs"     # log_softmax(logits / T), verl's default
+    return LLM(**kwargs)
+
+
+def params_for(engine, max_tokens):
+    common = dict(max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
+    if engine == "plugin":
+        from true_on_policy.vllm.sampling import sampling_params
+        return sampling_params(1.0, **common)
+    from vllm import SamplingParams
+    return SamplingParams(temperature=1.0, **common)
+
+
+def generate(llm, engine, work):
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    outs = llm.generate(prompts, [params_for(engine, n) for _, n in work], use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def run_child(args):
+    from transformers import AutoTokenizer
+    vocab = len(AutoTokenizer.from_pretrained(args.model))
+    t0 = time.perf_counter()
+    if args.profile:
+        work = [(p, 128) for p, _ in workload(args, vocab)]
+    else:
+        work = workload(args, vocab)
+    llm = build_llm(args, args.child, max(len(p) + n for p, n in work) + 16)
+    start_s = time.perf_counter() - t0
+    generate(llm, args.child, [(p, 16) for p, _ in work[:64]])                 # warm-up
+    result = {"engine": args.child, "engine_start_s": start_s, "seconds": [], "tokens": 0}
+    if args.profile:
+        result["kernels"] = profile(llm, args.child, work)
+    for _ in range(0 if args.profile else args.repeats):
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        result["tokens"] = generate(llm, args.child, work)
+        result["seconds"].append(time.perf_counter() - t)
+    print("@@result " + json.dumps(result), flush=True)
+
+
+def profile(llm, engine, work, rows=20):
+    """The top CUDA kernels by total time over one generate (the engine runs in this process)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    llm.reset_prefix_cache()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(llm, engine, work)
+    stats = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in stats)
+    return {"total_ms": total / 1e3, "top": [
+        {"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in stats[:rows]]}
+
+
+# ----------------------------------------------------------------------------- parent
+def run_engine(args, engine):
+    env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
+    env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
+    if args.profile:            # engine core in this process, so the profiler sees its kernels
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("json", "child", "profile", "engines")] + (["--profile"] if args.profile else [])
+    proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", engine], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    tail = []
+    for line in proc.stdout:
+        if line.startswith("@@result "):
+            proc.wait()
+            return json.loads(line[len("@@result "):])
+        tail = (tail + [line])[-60:]
+    proc.wait()
+    sys.stderr.write("".join(tail))
+    raise SystemExit(f"error: the {engine} engine failed (exit {proc.returncode}); its last lines are above")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return run_child(args)
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    total = args.prompts * args.n
+    print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({total} requests), prompts ~"
+          f"{args.prompt_len} tokens, responses <= {args.max_response}; engines {args.engines}", flush=True)
+    results = {}
+    for engine in args.engines.split(","):
+        t = time.time()
+        r = results[engine] = run_engine(args, engine)
+        r["wall_s"] = time.time() - t
+        if args.profile:
+            print(f"\n[{engine}] CUDA kernel time {r['kernels']['total_ms']:.1f} ms; top kernels:")
+            for k in r["kernels"]["top"]:
+                print(f"  {k['ms']:9.2f} ms {k['calls']:7d}x  {k['kernel']}")
+            continue
+        r["batch_s"] = statistics.median(r["seconds"])
+        r["tokens_per_s"] = r["tokens"] / r["batch_s"]
+        print(f"[bench_vllm_gpu] {engine}: engine up in {r['engine_start_s']:.1f}s; {r['tokens']} output tokens "
+              f"in {r['batch_s']:.2f}s ({', '.join(f'{s:.2f}' for s in r['seconds'])}): "
+              f"{r['tokens_per_s']:.0f} tokens/s", flush=True)
+    if not args.profile and "stock" in results:
+        base = results["stock"]
+        print(f"\n{'engine':<8}{'output tok/s':>14}{'batch s':>10}{'vs stock':>10}")
+        for engine, r in results.items():
+            print(f"{engine:<8}{r['tokens_per_s']:>14.0f}{r['batch_s']:>10.2f}"
+                  f"{r['tokens_per_s'] / base['tokens_per_s']:>10.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": device, "date": time.strftime("%Y-%m-%d %H:%M"),
+                                               "args": {k: v for k, v in vars(args).items() if k != "child"},
+                                               "results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

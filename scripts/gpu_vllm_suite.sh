@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Real vLLM on a CUDA GPU (after scripts/h200_vllm_env.sh): the plugin exact inside vLLM's own
+# CUDA engine, and timed against stock vLLM side by side (README "Real vLLM on a GPU").
+#   bash scripts/gpu_vllm_suite.sh STEP... [OUTDIR]     # from the repo root; OUTDIR: $OUT or outputs/gpu_vllm
+# Steps, in any order:
+#   model   a Qwen3-30B-A3B-shaped checkpoint (random weights, real vocabulary, 128 experts top-8,
+#           $GPU_VLLM_LAYERS of the 48 layers, default 8) at $GPU_VLLM_MODEL, unless already there
+#   check   python -m true_on_policy.check with CUDA graphs and prefix caching: T=0.7, then top-p 0.9
+#           / top-k 20 (both must be exact), then --stock (the gap without the plugin, recorded)
+#   bench   benchmarks/bench_vllm_gpu.py: an RL-shaped rollout, stock vLLM vs the plugin
+#   profile benchmarks/bench_vllm_gpu.py --profile: each engine's top CUDA kernels
+# Exit status: non-zero if a step failed or a plugin check found a difference.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+steps=() out=${OUT:-outputs/gpu_vllm}
+for a in "$@"; do case $a in model|check|bench|profile) steps+=("$a") ;; *) out=$a ;; esac; done
+[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|profile ... [OUTDIR]" >&2; exit 2; }
+mkdir -p "$out"
+if [ -f /tmp/h200_env.sh ]; then . /tmp/h200_env.sh; else export PYTHONPATH="recipe:kernels" PYTHONUNBUFFERED=1; fi
+model=${GPU_VLLM_MODEL:-/tmp/qwen3_30b_a3b_l${GPU_VLLM_LAYERS:-8}}
+rc=0
+
+run() {   # name, command...: log under $out, count a failure
+    local name=$1; shift
+    echo "[gpu_vllm_suite] $name: $*"
+    "$@" 2>&1 | tee "$out/$name.log"
+    local status=${PIPESTATUS[0]}
+    echo "[gpu_vllm_suite] $name: exit $status"
+    [ "$status" -eq 0 ] || rc=1
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+    model)
+        if [ -f "$model/config.json" ]; then echo "[gpu_vllm_suite] model: $model is there"; continue; fi
+        run model python3 -m true_on_policy.make_tiny_model --arch qwen3_moe --out "$model" \
+            --num-layers "${GPU_VLLM_LAYERS:-8}" --hidden-size 2048 --num-heads 32 --num-kv-heads 4 \
+            --head-dim 128 --intermediate-size 6144 --moe-intermediate-size 768 --num-experts 128 \
+            --top-k 8 --vocab-size 151936 --max-position 40960 ;;
+    check)
+        common=(--model "$model" --cuda-graphs --enable-prefix-caching --prompts 16 --max-tokens 160)
+        run check_t07 python3 -m true_on_policy.check "${common[@]}" --temperature 0.7 --json "$out/check_t07.json"
+        run check_topp python3 -m true_on_policy.check "${common[@]}" --temperature 0.7 --top-p 0.9 --top-k 20 \
+            --json "$out/check_topp.json"
+        # the companion: stock vLLM (FA3 + fused MoE) vs stock HF; it differs, so its exit 1 is expected
+        python3 -m true_on_policy.check "${common[@]}" --temperature 0.7 --stock --json "$out/check_stock.json" \
+            2>&1 | tee "$out/check_stock.log" ;;
+    bench)
+        run bench python3 benchmarks/bench_vllm_gpu.py --model "$model" --json "$out/bench.json" ;;
+    profile)
+        run profile python3 benchmarks/bench_vllm_gpu.py --model "$model" --profile --json "$out/profile.json" ;;
+    esac
+done
+exit $rc
