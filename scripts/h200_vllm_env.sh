@@ -43,7 +43,6 @@ python3 - <<'EOF'
 import importlib.metadata as md
 import torch, triton, transformers, vllm
 from vllm.vllm_flash_attn import flash_attn_varlen_func   # FA3: stock vLLM's attention on Hopper
-import vllm._C, vllm._moe_C                                 # noqa: F401  custom ops load against this torch
 eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
 print(f"[h200_vllm_env] vllm {vllm.__version__} torch {torch.__version__} triton {triton.__version__} "
       f"transformers {transformers.__version__}; vllm.general_plugins {eps}")

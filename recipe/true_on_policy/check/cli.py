@@ -211,6 +211,8 @@ class Rollout:
 
 def write_plan(args, model_dir, prompts, workdir):
     longest = max(len(p) for p in prompts) + args.max_tokens
+    if args.cuda_graphs:    # vLLM's capture warm-up runs requests as long as the largest graph
+        longest = max(longest, scheme.CUDA_GRAPHS["max_cudagraph_capture_size"])
     plan = dict(model=model_dir, tp=args.tp, seed=args.seed, temperature=args.temperature,
                 truncation=truncation.of_settings(args),
                 max_tokens=args.max_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
