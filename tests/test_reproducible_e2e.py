@@ -13,8 +13,9 @@ pytestmark = pytest.mark.skipif(cpu_support.accelerator_available(), reason="the
 
 
 def comparable(records):
-    """Each step's metrics without the wall-clock ones (timings, throughput, memory)."""
-    return [(r["step"], {k: v for k, v in r["data"].items() if not k.startswith(("timing", "perf/"))})
+    """Each step's metrics without the wall-clock ones (timings, throughput, memory: timing*,
+    perf/* and actor/perf/*)."""
+    return [(r["step"], {k: v for k, v in r["data"].items() if not (k.startswith("timing") or "perf" in k.split("/"))})
             for r in records]
 
 
