@@ -178,3 +178,15 @@ def test_fingerprint_covers_the_parameters_that_change_bits():
         other = ModelConfig.from_hf({**raw, **edits, "rope_parameters": None} if "rope_theta" in edits else
                                     {**raw, **edits})
         assert co.contract_fingerprint(other.numerics()) != base, edits
+
+
+def test_the_verl_trainer_publishes_the_models_fingerprint():
+    """The trainer's scoring (what its log-prob hook publishes for contract_match) carries the same
+    model-aware fingerprint the vLLM model class reports; an actor-side edit of a bit-changing key
+    gives another (contract_match 0)."""
+    import consistent_ops as co
+    from true_on_policy.scoring import Scoring
+    raw = config_json("qwen3_moe", {"rope_scaling": {"type": "yarn", **YARN}})
+    rollout = co.contract_fingerprint(ModelConfig.from_hf(raw).numerics())    # vllm/model.py's
+    assert Scoring.of(hf_config(raw), 1000).contract == rollout
+    assert Scoring.of(hf_config({**raw, "rms_norm_eps": 1e-5}), 1000).contract != rollout

@@ -55,7 +55,7 @@ def test_rollout_truncation_reaches_verl_logprobs(tmp_path_factory, registered, 
     from true_on_policy.verl import trainer_logprobs
     hf_model = registered
     monkeypatch.setattr(scoring, "_active", scoring.active())          # process-wide: restored after
-    monkeypatch.setattr(trainer_logprobs, "_publish_contract", lambda: None)   # no Ray job to report to
+    monkeypatch.setattr(trainer_logprobs, "_publish_contract", lambda _fingerprint: None)   # no Ray job to report to
     path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", "qwen3", hidden_size=128, num_layers=2)
     logits = torch.randn(6, 1024, generator=torch.Generator().manual_seed(2)) * 4 / 0.7   # verl divided by T
     config = hf_model.scoped_config(transformers.AutoConfig.from_pretrained(path))   # as the actor's engine does

@@ -27,14 +27,14 @@ log = logging.getLogger("true_on_policy.verl")
 
 
 @functools.cache
-def _publish_contract():
-    contract_registry.publish("trainer", [co.contract_fingerprint()])
+def _publish_contract(fingerprint: str):
+    contract_registry.publish("trainer", [fingerprint])
 
 
 def token_logprobs(logits, labels, settings: scoring.Scoring):
     """Log-probs [labels.shape] (fp32) of ``labels`` under the contract from fp32 logits
     [..., V] over the whole vocabulary, already divided by the temperature."""
-    _publish_contract()
+    _publish_contract(settings.contract or co.contract_fingerprint())
     flat = co.token_logprobs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), 1.0,
                              settings.vocab_limit, settings.truncation)
     return flat.view(labels.shape)

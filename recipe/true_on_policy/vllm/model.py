@@ -61,7 +61,8 @@ class TrueOnPolicyForCausalLM(CausalLM):
                 scale=attention_scale(cfg.head_dim), num_kv_heads=cfg.num_kv_heads // tp.size,
                 cache_config=vllm_config.cache_config, prefix=f"model.layers.{i}.self_attn.attn",
                 attn_backend=ConsistentAttentionBackend)
-        self.contract_fingerprint = co.contract_fingerprint()  # reported by the worker (plugin.py)
+        # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
+        self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         log.info("true_on_policy: %s TP %d/%d, consistent_ops %s", cfg.arch, tp.rank, tp.size,
                  self.contract_fingerprint)
 
