@@ -119,6 +119,20 @@ def test_routing_replay_is_refused_naming_the_key_to_drop(overrides, key, drop):
     assert "already identical" in found[0] and found[0].endswith(f"drop it ({drop})") and "\n" not in found[0]
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, "use_sliding_window=True")])
+def test_a_refused_config_feature_fails_the_preflight(tmp_path, edit, message):
+    """The shared reader's refusals reach the verl preflight too (before Ray or any engine),
+    naming the key, its value and the model path; the plain config passes."""
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, **edit}))
+    found = [p for p in preflight.problems(_compose([f"actor_rollout_ref.model.path={tmp_path}"])) if message in p]
+    assert len(found) == 1 and found[0].endswith(f"(actor_rollout_ref.model.path={tmp_path})"), found
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    assert not [p for p in preflight.problems(_compose([f"actor_rollout_ref.model.path={tmp_path}"]))
+                if "model.path" in p]
+
+
 def test_routing_replay_off_passes():
     assert not [p for p in preflight.problems(_compose()) if "routing replay" in p]
 
