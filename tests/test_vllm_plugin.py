@@ -471,3 +471,25 @@ def test_v2_processor_truncates_by_slot(monkeypatch):
     out = proc.apply(logits.clone(), SimpleNamespace(expanded_idx_mapping=torch.tensor([2, 0])))
     assert torch.equal(out[0], co.log_softmax(logits[:1], 0.5, 90, (20, 0.9, 0.02))[0])
     assert torch.equal(out[1], co.log_softmax(logits[1:], 1.0, 90)[0])
+
+
+def test_full_graphs_are_capped_at_max_model_len():
+    """vLLM's capture warm-up for a FULL mixed graph of N tokens runs requests of N tokens; with
+    max_model_len < N their pages lie past the block table (seen on the H200: an illegal memory
+    access in attention_paged). The hook caps the capture at max_model_len; a long enough model,
+    eager, or vLLM's own default (piecewise mixed graphs) is left alone."""
+    from true_on_policy.vllm.engine_config import cap_graphs_at_model_len
+
+    def config(max_model_len, mode="FULL", max_size=2048, sizes=None, eager=False):
+        cc = SimpleNamespace(cudagraph_mode=SimpleNamespace(name=mode) if mode else None,
+                             max_cudagraph_capture_size=max_size, cudagraph_capture_sizes=sizes)
+        cap_graphs_at_model_len(SimpleNamespace(compilation_config=cc, model_config=SimpleNamespace(
+            max_model_len=max_model_len, enforce_eager=eager)))
+        return cc.max_cudagraph_capture_size, cc.cudagraph_capture_sizes
+
+    assert config(512) == (512, None)
+    assert config(300, max_size=None) == (300, None)                  # vLLM's default max (512) too
+    assert config(256, sizes=[1, 8, 256, 512, 1024]) == (256, [1, 8, 256])
+    for unchanged in (config(4096), config(512, max_size=None), config(512, mode="FULL_AND_PIECEWISE"),
+                      config(512, mode=None), config(512, eager=True)):
+        assert unchanged[0] in (2048, None) and unchanged[1] is None, unchanged

@@ -47,6 +47,28 @@ def configure_sampling(vllm_config) -> None:
         mc.logits_processors = procs + [path]
 
 
+def cap_graphs_at_model_len(vllm_config) -> None:
+    """FULL graphs of mixed batches (our backend's ALWAYS): vLLM's capture warm-up runs dummy
+    requests as long as the graph (seq_lens = its token count); past max_model_len their pages
+    would lie beyond the block table's width. Capture at most max_model_len tokens (no change
+    where max_model_len >= the largest graph: the presets' 2,048)."""
+    cc, limit = vllm_config.compilation_config, vllm_config.model_config.max_model_len
+    if vllm_config.model_config.enforce_eager or getattr(cc.cudagraph_mode, "name", None) != "FULL":
+        return
+    if cc.cudagraph_capture_sizes:
+        kept = [n for n in cc.cudagraph_capture_sizes if n <= limit] or [1]
+        if kept != list(cc.cudagraph_capture_sizes):
+            cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = kept, max(kept)
+    elif (cc.max_cudagraph_capture_size or GRAPH_DEFAULT_MAX) > limit:
+        cc.max_cudagraph_capture_size = limit
+    else:
+        return
+    log.warning("true_on_policy: CUDA graphs capture at most max_model_len=%d tokens", limit)
+
+
+GRAPH_DEFAULT_MAX = 512   # vLLM's largest graph when none is set (min(2 max_num_seqs, 512))
+
+
 def hook_for(arch: str, previous=None) -> type:
     """A VerifyAndUpdateConfig class for ``arch`` that runs vLLM's own hook (if any) first."""
 
@@ -55,6 +77,7 @@ def hook_for(arch: str, previous=None) -> type:
             previous.verify_and_update_config(vllm_config)
         verify(vllm_config)
         configure_sampling(vllm_config)
+        cap_graphs_at_model_len(vllm_config)
 
     return type(f"TrueOnPolicy{arch}Config", (VerifyAndUpdateConfig,),
                 {"verify_and_update_config": staticmethod(verify_and_update_config)})
