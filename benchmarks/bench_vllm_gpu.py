@@ -7,7 +7,8 @@ rollout: --prompts prompts of about --prompt-len tokens, each sent --n times as 
 requests (as verl's agent loop sends them; prefix caching on), T=1.0, logprobs=0 (verl asks
 for them), and per-request response lengths with a long tail (log-normal, median a quarter of
 --max-response, capped there; ignore_eos, so both engines generate exactly the same number of
-tokens). Each engine runs in its own process: start-up, one small warm-up generate, then
+tokens). Each engine runs in its own process: start-up, a warm-up generate (every request, 32
+tokens: kernel compilation and autotuning happen there), then
 --repeats timed generates of the whole batch (prefix cache reset before each). Reported:
 output tokens/s and the time to finish the batch (medians over repeats), and plugin / stock.
 
@@ -104,7 +105,9 @@ def run_child(args):
         work = workload(args, vocab)
     llm = build_llm(args, args.child, max(len(p) + n for p, n in work) + 16)
     start_s = time.perf_counter() - t0
-    generate(llm, args.child, [(p, 16) for p, _ in work[:64]])                 # warm-up
+    # warm-up: every request for 32 tokens, so Triton compiles and autotunes what the batch's
+    # shapes need (decode at every batch size down from the whole batch) before the clock runs
+    generate(llm, args.child, [(p, 32) for p, _ in work])
     result = {"engine": args.child, "engine_start_s": start_s, "seconds": [], "tokens": 0}
     if args.profile:
         result["kernels"] = profile(llm, args.child, work)
