@@ -16,12 +16,13 @@ import consistent_ops as co
 from consistent_ops import contract
 from consistent_ops.ascend import rows
 from consistent_ops.reference import linear as ref_linear  # the function
+from readme import readme_command
 
 ROOT = Path(__file__).parents[1]
 
 
 def _check(*args):
-    return subprocess.run(["bash", str(ROOT / "scripts/ascend_compile_check.sh"), *args], cwd=ROOT,
+    return subprocess.run([*readme_command("bash scripts/ascend_compile_check.sh")[1], *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
 
 

@@ -25,6 +25,7 @@ def _hide_broken_torchvision():
 
 _hide_broken_torchvision()
 
+from readme import readme_command  # noqa: E402
 from true_on_policy import make_tiny_model as mtm  # noqa: E402
 
 ARCHS = ["qwen3", "qwen3_moe"]
@@ -97,7 +98,8 @@ def test_weight_init_rules(built):
 def test_cli_rebuild_is_byte_identical(built, arch, tmp_path):
     """A second build in a fresh process (new hash seeds, new threads) gives the same bytes."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    cmd = [sys.executable, "-m", "true_on_policy.make_tiny_model", "--arch", arch, "--out", str(tmp_path / "m")]
+    _, cmd = readme_command("python -m true_on_policy.make_tiny_model", fill={"{qwen3,qwen3_moe}": arch,
+                                                                           "DIR": tmp_path / "m"})
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "params" in res.stdout

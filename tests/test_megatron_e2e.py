@@ -6,7 +6,7 @@ exact, at trainer TP=2/EP=2 (sequence parallel) against rollout TP 1 and TP=1/EP
 rollout TP 2."""
 import pytest
 
-from test_megatron import PY, READY
+from test_megatron import READY
 from test_recipe_e2e import ON, REWARD, assert_exact_every_step
 from test_verl_cpu import _train
 from true_on_policy.verl import cpu_support
@@ -19,11 +19,12 @@ MEGATRON = "actor_rollout_ref.actor.megatron."
 @pytest.mark.parametrize("tp, rollout_tp", [(2, 1), (1, 2)])
 def test_grpo_megatron_exact_every_step_and_sync(tmp_path, tp, rollout_tp):
     """... with the debug weight-sync checksum on: every sync (start-up, after each step) is exact."""
-    overrides = ["preset=tiny_grpo_megatron", f"{MEGATRON}tensor_model_parallel_size={tp}",
+    overrides = [f"{MEGATRON}tensor_model_parallel_size={tp}",
                  f"{MEGATRON}sequence_parallel={tp > 1}",
                  f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout_tp}",
                  "true_on_policy.check_sync=true", *REWARD]
     env = {**ON, "VLLM_LOGGING_LEVEL": "INFO"}   # verl's default (WARN) hides the rollout's sync lines
-    rc, out, records = _train(tmp_path, "qwen3_moe", env, steps=2, overrides=overrides, python=PY)
+    rc, out, records = _train(tmp_path, "qwen3_moe", env, steps=2, overrides=overrides,
+                              command="TRUE_ON_POLICY=1 .venv-megatron/bin/python")   # + preset=tiny_grpo_megatron
     assert_exact_every_step(rc, out, records, steps=[1, 2])
     assert out.count("weight sync exact") >= 2, out[-4000:]

@@ -1,14 +1,14 @@
 """python -m consistent_ops.probe on the reference backend: every invariance holds (exit 0),
 and a batch-dependent op makes it exit 1 (the probe sees differences)."""
 import subprocess
-import sys
 
 import consistent_ops as co
 from consistent_ops import probe
+from readme import readme_command
 
 
 def test_probe_passes_on_reference():
-    res = subprocess.run([sys.executable, "-m", "consistent_ops.probe"], capture_output=True, text=True,
+    res = subprocess.run(readme_command("python -m consistent_ops.probe")[1], capture_output=True, text=True,
                          timeout=300, env={"CONSISTENT_OPS_BACKEND": "reference", "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert "backend reference" in res.stdout and ", 0 differ" in res.stdout

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from readme import readme_command
 from test_verl_cpu import _train, run_job
 from true_on_policy.verl import cpu_support
 
@@ -61,22 +62,24 @@ def test_grpo_three_steps_top_p_top_k_then_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = [f"trainer.default_local_dir={ckpt}", "trainer.save_freq=3", "trainer.resume_mode=auto", *REWARD,
               "actor_rollout_ref.rollout.top_p=0.9", "actor_rollout_ref.rollout.top_k=20"]
-    rc, out, records = _train(tmp_path, "qwen3_moe", ON, steps=3, overrides=[*common, "trainer.val_before_train=true"])
+    rc, out, records = _train(tmp_path, "qwen3_moe", ON, steps=3, overrides=[*common, "trainer.val_before_train=true"],
+                              command="bash scripts/demo.sh")              # the README's first command
     assert_exact_every_step(rc, out, records, steps=[1, 2, 3])
     assert_greedy_validation(records)
     assert_readable_console(out, records, tmp_path / "run" / "metrics.jsonl")
     assert (ckpt / "global_step_3").is_dir()
     (tmp_path / "run" / "metrics.jsonl").unlink()
-    assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=4, overrides=common), steps=[4])
+    assert_exact_every_step(*_train(tmp_path, "qwen3_moe", ON, steps=4, overrides=common,
+                                    command="python -m true_on_policy.main_ppo"), steps=[4])
 
 
 def test_ppo_with_critic_two_steps(tmp_path):
     """... the README's critic line as written (the tiny preset sizes the critic's batches),
     with the debug weight-sync checksum on: every sync (start-up, after each step) is exact."""
-    overrides = ["algorithm.adv_estimator=gae", "critic.enable=true", "critic.model.path=${actor_rollout_ref.model.path}",
-                 "true_on_policy.check_sync=true", *REWARD]
     env = {**ON, "VLLM_LOGGING_LEVEL": "INFO"}   # verl's default (WARN) hides the rollout's sync lines
-    rc, out, records = _train(tmp_path, "qwen3_moe", env, steps=2, overrides=overrides)
+    rc, out, records = _train(tmp_path, "qwen3_moe", env, steps=2, overrides=["true_on_policy.check_sync=true", *REWARD],
+                              command="python -m true_on_policy.main_ppo algorithm.adv_estimator=gae",
+                              fill={"...": "${actor_rollout_ref.model.path}"})
     assert_exact_every_step(rc, out, records, steps=[1, 2])
     assert out.count("weight sync exact") >= 2, out[-4000:]
 
@@ -104,7 +107,8 @@ def test_swap_in_stock_verl_job(tmp_path):
                  "trainer.save_freq=-1", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
                  "+true_on_policy.self_check.enable=true",
                  f"+true_on_policy.metrics_file={tmp_path / 'metrics.jsonl'}", "+true_on_policy.verbose=false"]
-    rc, out, records = run_job(tmp_path, ON, overrides, module="verl.trainer.main_ppo")
+    env, argv = readme_command("TRUE_ON_POLICY=1 python -m verl.trainer.main_ppo")
+    rc, out, records = run_job(tmp_path, env, command=[*argv, *overrides])
     assert "self-check exact" in out and "CPU settings applied" in out, out[-4000:]
     assert_exact_every_step(rc, out, records, steps=[1, 2])
     assert any(ln.endswith(f"one JSON line per step): {tmp_path / 'metrics.jsonl'}") for ln in out.splitlines())
@@ -129,10 +133,10 @@ def test_multi_turn_tool_agent_loop_is_exact_on_every_turn(tmp_path):
     sample on average, logdiff 0.0 on every model token of every turn, tool tokens excluded
     by verl's response mask. The tiny model's default init (0.02): call_token_prob is set for it."""
     run_dir = tmp_path / "run"
-    rc, out, records = run_job(tmp_path, ON, [
-        "preset=tiny_grpo_tools", "trainer.total_training_steps=2", f"true_on_policy.cache_dir={tmp_path / 'cache'}",
-        "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *REWARD],
-        metrics=run_dir / "metrics.jsonl")
+    _, argv = readme_command("python -m true_on_policy.main_ppo preset=tiny_grpo_tools")
+    rc, out, records = run_job(tmp_path, ON, metrics=run_dir / "metrics.jsonl", command=[
+        *argv, "trainer.total_training_steps=2", f"true_on_policy.cache_dir={tmp_path / 'cache'}",
+        "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *REWARD])
     assert_exact_every_step(rc, out, records, steps=[1, 2])
     for r in records:
         m = r["data"]

@@ -27,6 +27,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from processes import JOB_MARK, reap
+from readme import readme_command
 from true_on_policy.verl import cpu_support
 
 pytestmark = pytest.mark.skipif(cpu_support.accelerator_available(),
@@ -338,16 +339,21 @@ def test_a_job_whose_worker_died_ends_at_once_with_the_cause(tmp_path):
     assert "BufferError: cannot close exported pointers exist" in out and "[test] stopped" in out
 
 
-def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=(), python=PYTHON) -> tuple[int, str, list]:
-    """The recipe for ``steps`` GRPO steps. The tiny model gets a sharp init (std 0.2): a
-    rollout that does not run the trainer's weights then misses the trainer's log-ppl by
-    nats, not by the bf16 noise of a synced one."""
+RECIPE = "python -m true_on_policy.main_ppo [hydra overrides]"     # the README's line (tests/readme.py)
+
+
+def _train(tmp_path, arch: str, env: dict, steps: int = 2, overrides=(), command=RECIPE,
+           fill=None) -> tuple[int, str, list]:
+    """The README's recipe command (``command``: the start of a README command line, see
+    tests/readme.py; ``fill``: its placeholders) for ``steps`` GRPO steps. The tiny model gets
+    a sharp init (std 0.2): a rollout that does not run the trainer's weights then misses the
+    trainer's log-ppl by nats, not by the bf16 noise of a synced one."""
+    readme_env, argv = readme_command(command, fill=fill)
     run_dir = tmp_path / "run"
-    return run_job(tmp_path, env, [f"trainer.total_training_steps={steps}",
-                                   f"true_on_policy.cache_dir={tmp_path / 'cache'}",
-                                   f"true_on_policy.tiny_model.arch={arch}", "true_on_policy.tiny_model.init_std=0.2",
-                                   "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *overrides],
-                   metrics=run_dir / "metrics.jsonl", python=python)
+    return run_job(tmp_path, {**readme_env, **env}, metrics=run_dir / "metrics.jsonl", command=[
+        *argv, f"trainer.total_training_steps={steps}", f"true_on_policy.cache_dir={tmp_path / 'cache'}",
+        f"true_on_policy.tiny_model.arch={arch}", "true_on_policy.tiny_model.init_std=0.2",
+        "true_on_policy.self_check.enable=false", f"hydra.run.dir={run_dir}", *overrides])
 
 
 def _assert_synced_run(rc, out, records):
@@ -364,7 +370,7 @@ def _assert_synced_run(rc, out, records):
 
 def test_stock_grpo_dense(tmp_path):
     """Stock verl + stock vLLM CPU, dense Qwen3: trains 2 steps, weights really synced."""
-    rc, out, records = _train(tmp_path, "qwen3", {"TRUE_ON_POLICY": "0"})
+    rc, out, records = _train(tmp_path, "qwen3", {}, command="TRUE_ON_POLICY=0 python -m true_on_policy.main_ppo")
     if rc != 0 and WEIGHT_SYNC_BLOCKER in out:
         pytest.skip("stock verl cannot sync weights into vLLM CPU on this host: vLLM repacks linear "
                     "weights (oneDNN/SGL) and empties `weight`, so verl's in-place load fails with "

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from readme import readme_command  # noqa: E402
 from true_on_policy.make_tiny_model import ensure_tiny_model  # noqa: E402
 
 MIN_TOKENS = 1000
@@ -37,12 +38,13 @@ def models(tmp_path_factory):
             "qwen3_fp16": ensure_tiny_model(root, "qwen3", dtype="float16")}
 
 
-def run_check(tmp_path, *args, env=None, tp=1):
+def run_check(tmp_path, *args, env=None, tp=1, command="python -m true_on_policy.check", fill=None):
+    """The README's check command (``command``: the start of its line, tests/readme.py) + ``args``."""
     out = tmp_path / "summary.json"
     full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **(env or {})}
     if tp == 1:
         full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    cmd = [sys.executable, "-m", "true_on_policy.check", "--tp", str(tp), "--json", str(out),
+    cmd = [*readme_command(command, fill=fill)[1], "--tp", str(tp), "--json", str(out),
            "--workdir", str(tmp_path / "work"), *map(str, args)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=900)
     assert out.exists(), f"check failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
@@ -80,7 +82,7 @@ def test_dense_tp1_greedy_minp_fp32_checkpoint_chunked_prefix_cached_is_exact(tm
 
 
 def test_stock_vllm_differs(tmp_path, models):
-    res, s = run_check(tmp_path, "--model", models["qwen3_moe"], "--temperature", 0.7, "--stock")
+    res, s = run_check(tmp_path, "--model", models["qwen3_moe"], command="python -m true_on_policy.check --stock")
     assert res.returncode == 1 and s["num_tokens"] >= MIN_TOKENS
     assert s["max_abs_logdiff"] > 0 and s["frac_exact"] < 1
 
@@ -88,8 +90,8 @@ def test_stock_vllm_differs(tmp_path, models):
 def test_localize_names_the_op_broken_in_the_rollout(tmp_path, models):
     """TRUE_ON_POLICY_TEST_PERTURB_OP scales one op's output in the vLLM workers only."""
     op = "layers.1.attn"      # head-sharded under TP 2: the report merges both ranks' heads
-    res, s = run_check(tmp_path, "--model", models["qwen3_fp16"], "--prompts", 4, "--max-tokens", 8, "--localize",
-                       env={"TRUE_ON_POLICY_TEST_PERTURB_OP": op}, tp=2)
+    res, s = run_check(tmp_path, "--prompts", 4, "--max-tokens", 8, env={"TRUE_ON_POLICY_TEST_PERTURB_OP": op}, tp=2,
+                       command="python -m true_on_policy.check --model M --localize", fill={"M": models["qwen3_fp16"]})
     assert res.returncode == 1 and s["num_exact"] < s["num_tokens"]
     assert s["localize"]["first_divergent_op"] == op, s["localize"]["text"]
     assert f"FIRST DIVERGENCE: {op}" in res.stdout and "replay reproduces" in res.stdout
