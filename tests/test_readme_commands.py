@@ -5,6 +5,7 @@ the model, the step count, output paths and what they measure with (a graded rew
 sync checksum); a command changed in the README changes what they run. A new README command
 in neither list fails here, named."""
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -75,6 +76,9 @@ def test_every_readme_command_is_run_by_a_test_or_named_with_its_reason():
     gone = [c for c in [*RUN, *NOT_HERE] if c not in shown]
     assert not gone, f"listed in tests/test_readme_commands.py but no longer in the README: {gone}"
     assert all(NOT_HERE.values())
+    indented = [ln for ln in readme.README.read_text().splitlines()
+                if re.match(r"^ {4,}([A-Z_]+=\S+ )*(python|bash|pip|\.venv|scripts/)", ln)]
+    assert not indented, f"an indented command is not read as one: put it in a ```bash block: {indented}"
 
 
 def _literals():
