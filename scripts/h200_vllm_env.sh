@@ -1,32 +1,42 @@
 #!/usr/bin/env bash
-# On the device machine: gather the pieces made by scripts/h200_vllm_pack.sh (each call carries one;
-# /tmp keeps them while the machine is warm), and once all have arrived unpack vLLM 0.26 into
-# /tmp/h200_site, install this checkout beside it (its vLLM plugin entry point included), print the
-# versions and a CUDA smoke test. Writes /tmp/h200_env.sh to source:
+# On the device machine: gather the pieces made by scripts/h200_vllm_pack.sh (each call carries one
+# or more, with .h200/MANIFEST; /tmp keeps them while the machine is warm), and once every pack that
+# MANIFEST lists has all its pieces, unpack each (vllm026: vLLM 0.26; verl091: verl 0.9.1, when
+# packed) into /tmp/h200_site/<pack>, install this checkout beside them (its vLLM and verl plugin
+# entry points included), print the versions and a CUDA smoke test. Writes /tmp/h200_env.sh to source:
 #   bash scripts/h200_vllm_env.sh && . /tmp/h200_env.sh && python3 -m true_on_policy.check ...
 # Exit 0: ready; 3: pieces still missing (listed); other: a failure, named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-parts=/tmp/h200_parts site=/tmp/h200_site proj=/tmp/h200_project
-mkdir -p "$parts"
+parts=/tmp/h200_parts sites=/tmp/h200_site proj=/tmp/h200_project
+[ -f "$sites/.stamp" ] && rm -rf "$sites"   # the one-pack layout of before
+mkdir -p "$parts" "$sites"
 [ -f .h200/MANIFEST ] || { echo "error: .h200/MANIFEST not carried; carry it with every piece" >&2; exit 2; }
 cp .h200/MANIFEST "$parts/"
-for f in .h200/vllm026.tar.xz.part-*; do [ -f "$f" ] && cp "$f" "$parts/"; done
+for f in .h200/*.tar.xz.part-*; do [ -f "$f" ] && cp "$f" "$parts/"; done
 cd "$parts"
 missing=$(awk '{print $2}' MANIFEST | while read -r p; do [ -f "$p" ] || echo "$p"; done)
 if [ -n "$missing" ]; then
-    echo "[h200_vllm_env] have $(ls vllm026.tar.xz.part-* 2>/dev/null | wc -l) of $(wc -l < MANIFEST) pieces;" \
-         "missing: $(echo $missing)"
+    echo "[h200_vllm_env] have $(awk '{print $2}' MANIFEST | while read -r p; do [ -f "$p" ] && echo; done | wc -l)" \
+         "of $(wc -l < MANIFEST) pieces; missing: $(echo $missing)"
     exit 3
 fi
-stamp=$(sha256sum MANIFEST | cut -d' ' -f1)
-if [ "$(cat "$site/.stamp" 2>/dev/null)" != "$stamp" ]; then
-    sha256sum -c --quiet MANIFEST
-    rm -rf "$site" && mkdir -p "$site"
-    cat $(awk '{print $2}' MANIFEST) | xz -d -T0 | tar -x -C "$site"
-    echo "$stamp" > "$site/.stamp"
-    echo "[h200_vllm_env] unpacked $(du -sm "$site" | cut -f1) MB into $site"
-fi
+packs=$(awk '{sub(/\.tar\.xz\.part-.*/, "", $2); print $2}' MANIFEST | sort -u)
+for pack in $packs; do
+    grep " $pack\.tar\.xz\.part-" MANIFEST > "$pack.manifest"
+    stamp=$(sha256sum "$pack.manifest" | cut -d' ' -f1)
+    if [ "$(cat "$sites/$pack/.stamp" 2>/dev/null)" != "$stamp" ]; then
+        sha256sum -c --quiet "$pack.manifest"
+        rm -rf "${sites:?}/$pack" && mkdir -p "$sites/$pack"
+        cat $(awk '{print $2}' "$pack.manifest") | xz -d -T0 | tar -x -C "$sites/$pack"
+        echo "$stamp" > "$sites/$pack/.stamp"
+        echo "[h200_vllm_env] unpacked $pack: $(du -sm "$sites/$pack" | cut -f1) MB into $sites/$pack"
+    fi
+done
+# All sites precede the image's site-packages; a site carrying transformers (verl's pin, 5.10)
+# also precedes the others.
+path=$(for p in $packs; do [ -d "$sites/$p/transformers" ] && echo "0 $p" || echo "1 $p"; done \
+       | sort | awk -v s="$sites" '{printf "%s%s/%s", (NR > 1 ? ":" : ""), s, $2}')
 cd - > /dev/null
 # This checkout, installed (not editable: the repo copy is new every call) with its entry points.
 rm -rf "$proj"
@@ -34,18 +44,39 @@ python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isola
     --target "$proj" . 2>&1 | grep -v "^WARNING" || true
 rm -rf build ./*.egg-info
 cat > /tmp/h200_env.sh <<EOF
-export PYTHONPATH=$proj:$site\${PYTHONPATH:+:\$PYTHONPATH}
+export PYTHONPATH=$proj:$path\${PYTHONPATH:+:\$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0   # the sampler would import flashinfer, absent on the image
 export PYTHONUNBUFFERED=1
 EOF
 . /tmp/h200_env.sh
-python3 - <<'EOF'
-import importlib.metadata as md
+python3 - "$sites" <<'EOF'
+import importlib.metadata as md, pathlib, sys
 import torch, triton, transformers, vllm
 from vllm.vllm_flash_attn import flash_attn_varlen_func   # FA3: stock vLLM's attention on Hopper
 eps = [e.name for e in md.entry_points(group="vllm.general_plugins")]
+NOT_CARRIED = {"wandb", "pylatexenc", "importlib_metadata"}   # on purpose: scripts/h200_verl.lock
 print(f"[h200_vllm_env] vllm {vllm.__version__} torch {torch.__version__} triton {triton.__version__} "
       f"transformers {transformers.__version__}; vllm.general_plugins {eps}")
+verl_site = next((str(p.parent) for p in pathlib.Path(sys.argv[1]).glob("*/verl")), None)
+if verl_site:
+    import datasets, hydra, ray, tensordict, transfer_queue, verl  # noqa: F401  (what a verl job imports)
+    from packaging.requirements import Requirement
+    ours = [d for d in md.distributions() if str(d.locate_file("")).startswith(verl_site)]
+    unmet = []
+    for d in ours:   # each carried distribution's own requirements, against what this path holds
+        for r in map(Requirement, d.requires or []):
+            if r.marker and not r.marker.evaluate({"extra": ""}) or r.name in NOT_CARRIED:
+                continue
+            try:
+                have = md.version(r.name)
+            except md.PackageNotFoundError:
+                have = None
+            if have is None or not r.specifier.contains(have, prereleases=True):
+                unmet.append(f"{d.metadata['Name']}: {r} (have {have})")
+    print(f"[h200_vllm_env] verl {verl.__version__} ray {ray.__version__} tensordict {tensordict.__version__} "
+          f"datasets {datasets.__version__} pyarrow {md.version('pyarrow')}; verl.plugins "
+          f"{[e.name for e in md.entry_points(group='verl.plugins')]}; unmet requirements of the "
+          f"{len(ours)} carried: {unmet or 'none'}")
 x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
 q = torch.randn(64, 8, 128, device="cuda", dtype=torch.bfloat16)
 cu = torch.tensor([0, 64], device="cuda", dtype=torch.int32)
