@@ -1,6 +1,6 @@
-"""The Qwen3-30B-A3B configs (8xH200, 16 Ascend NPUs) compose from verl's ppo_trainer, add no
-verl keys, fill the consistency settings and pass the preflight against the real model shape.
-They are validated here, not run."""
+"""The Qwen3-30B-A3B configs (8xH200, 16 Ascend NPUs; its 8-layer shape on one H200) compose
+from verl's ppo_trainer, add no verl keys, fill the consistency settings and pass the preflight
+against the real model shape. They are validated here, not run."""
 import json
 
 import pytest
@@ -35,6 +35,36 @@ def test_large_presets_compose_and_pass_preflight(preset, tmp_path):
         graphs = CompilationConfig(**ro.engine_kwargs.vllm.compilation_config)   # vLLM accepts every key
         assert not ro.enforce_eager and graphs.cudagraph_mode.name == "FULL"
         assert dict(ro.engine_kwargs.vllm.compilation_config) == scheme.CUDA_GRAPHS   # what check --cuda-graphs runs
+
+
+def test_one_h200_preset_composes_and_passes_preflight(tmp_path):
+    """preset=qwen3_moe_h200x1 (scripts/gpu_verl_suite.sh): verl's keys only, GRPO with a
+    reference on one GPU, the synthetic task, 3 steps, n 4 up to 1,024 tokens, CUDA graphs as
+    check --cuda-graphs runs them, sleep mode on, at the 8-layer Qwen3-30B-A3B shape."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from true_on_policy.main_ppo import prepare
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": 8}))
+    cfg = _compose(["preset=qwen3_moe_h200x1", f"actor_rollout_ref.model.path={tmp_path}",
+                    f"true_on_policy.cache_dir={tmp_path}"])
+    extra = {k for k in _leaf_keys(cfg) - _leaf_keys(_compose(["~preset"]))
+             if not k.startswith(("true_on_policy.", "actor_rollout_ref.rollout.engine_kwargs.vllm.",
+                                  "actor_rollout_ref.model.override_config."))}
+    assert not extra, f"keys verl does not have: {extra}"
+    assert preflight.problems(cfg) == []
+    ro, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    assert (cfg.trainer.n_gpus_per_node, cfg.trainer.nnodes, cfg.trainer.total_training_steps) == (1, 1, 3)
+    assert (ro.n, cfg.data.max_response_length, ro.tensor_model_parallel_size) == (4, 1024, 1)
+    assert cfg.algorithm.adv_estimator == "grpo" and actor.strategy == "fsdp2" and actor.use_kl_loss
+    assert not ro.enforce_eager and dict(ro.engine_kwargs.vllm.compilation_config) == scheme.CUDA_GRAPHS
+    assert ro.max_model_len >= scheme.CUDA_GRAPHS["max_cudagraph_capture_size"]
+    assert ro.max_model_len >= cfg.data.max_prompt_length + cfg.data.max_response_length
+    rollout = omega_conf_to_dataclass(ro)   # verl's RolloutConfig takes every key
+    assert rollout.free_cache_engine and rollout.enable_sleep_mode
+    assert cfg.actor_rollout_ref.model.override_config.attn_implementation == "sdpa"   # no flash-attn there
+    assert cfg.reward.custom_reward_function.path == "pkg://true_on_policy.task" and cfg.data.train_files is None
+    prepare(cfg)   # the synthetic task's files
+    assert cfg.data.train_files.endswith("train.parquet") and cfg.actor_rollout_ref.model.path == str(tmp_path)
 
 
 MEGATRON_NEEDED = "actor.strategy=megatron needs megatron-core + megatron-bridge"   # absent from .venv
