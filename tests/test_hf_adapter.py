@@ -45,6 +45,20 @@ def test_auto_model_is_ours_and_exact(arch, tmp_path_factory, registered):
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
+def test_ours_builds_with_any_attention_verl_requests(tmp_path_factory, registered):
+    """verl asks for flash_attention_2 unless override_config names another; without flash-attn
+    (the H200 image) transformers refuses to build its own class so, ours builds: its attention is
+    the contract's whatever the config says."""
+    import importlib.util
+    path = ensure_tiny_model(tmp_path_factory.getbasetemp() / "models", "qwen3_moe", hidden_size=128, num_layers=2)
+    config = transformers.AutoConfig.from_pretrained(path, attn_implementation="flash_attention_2")
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ImportError, match="FlashAttention2"):
+            transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(registered.scoped_config(config))
+    assert isinstance(model, registered.TrueOnPolicyForCausalLM)
+
+
 def test_rollout_truncation_reaches_verl_logprobs(tmp_path_factory, registered, monkeypatch):
     """Config attributes (set by the driver through override_config) -> the model this
     process built (its scoring.Scoring) -> verl's patched logprobs_from_logits scores the

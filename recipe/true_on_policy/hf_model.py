@@ -59,6 +59,11 @@ class TrueOnPolicyForCausalLM(TrainerMixin, PreTrainedModel):
     def _init_weights(self, module):
         pass  # weights always come from a checkpoint (load_checkpoint)
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, **kwargs):
+        """Nothing to check or load: the attention is ours whatever is requested. (transformers'
+        check refuses verl's default, flash_attention_2, where flash-attn is not installed.)"""
+        return attn_implementation or "sdpa"
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, torch_dtype=None, dtype=None,
                         **kwargs):
