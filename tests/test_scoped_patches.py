@@ -107,7 +107,7 @@ def test_logprobs_from_logits_keeps_verls_contract(shape, dtype, monkeypatch):
     monkeypatch.setattr(scoring, "_active", None)               # no model of ours built here
     assert torch.equal(wrapped(logits, labels, inplace_backward=False), stock(logits, labels))
     monkeypatch.setattr(scoring, "_active", scoring.Scoring())
-    monkeypatch.setattr(trainer_logprobs, "_publish_contract", lambda: None)   # no Ray job to report to
+    monkeypatch.setattr(trainer_logprobs, "_publish_contract", lambda _fingerprint: None)   # no Ray job to report to
     ours, theirs = wrapped(logits=logits, labels=labels, inplace_backward=True), stock(logits, labels)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     tol = 1e-5 if dtype == torch.float32 else 0.1
