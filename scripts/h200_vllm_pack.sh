@@ -47,7 +47,7 @@ pack_lock() {   # lock file -> $out/<pack>.tar.xz.part-*
             python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$cache/built" "$cache/wheels/$name-$ver.tar.gz"
             whl=$(first "$cache/built" "$name" "$ver")
         fi
-        python3 -m zipfile -e "$whl" "$stage"
+        unzip -qo "$whl" -d "$stage"   # keeps the wheel's file modes, as pip does (Ray's raylet, gcs_server)
     done
     for p in $trim; do rm -rf "${stage:?}/$p"; done
     echo "[h200_vllm_pack] $pack: $(du -sm "$stage" | cut -f1) MB unpacked; compressing (xz) into $piece pieces"
