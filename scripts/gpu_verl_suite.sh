@@ -12,7 +12,8 @@
 #   table   benchmarks/verl_step_table.py over the jobs run so far: phases side by side, plugin / stock
 # Each job's log, metrics.jsonl and GPU memory samples go to OUTDIR; the jobs' own output dirs stay in
 # $GPU_VERL_DIR (default /tmp/gpu_verl: kept while the machine is warm, so `table` can follow other
-# calls). A job is stopped after $GPU_VERL_TIMEOUT s (default 570); $GPU_VERL_ARGS adds hydra overrides to
+# calls). A job is stopped after $GPU_VERL_TIMEOUT s (default 570), or earlier so that the whole call
+# ends within $GPU_VERL_BUDGET s (default 585: the device tool's 600 s); $GPU_VERL_ARGS adds hydra overrides to
 # every job (e.g. actor_rollout_ref.ref.fsdp_config.param_offload=true). Exit status: non-zero if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,12 +28,15 @@ rc=0
 
 job() {   # name, "ENV=value ...", hydra overrides...
     local name=$1 envs=$2; shift 2
+    local limit=$(( ${GPU_VERL_BUDGET:-585} - SECONDS - 15 ))   # 15 s for Ray's stop and the table
+    [ "$limit" -lt "${GPU_VERL_TIMEOUT:-570}" ] || limit=${GPU_VERL_TIMEOUT:-570}
+    if [ "$limit" -lt 60 ]; then echo "[gpu_verl_suite] $name: skipped, ${limit} s left in this call"; rc=1; return; fi
     rm -rf "${state:?}/$name" && mkdir -p "$state/$name"
-    echo "[gpu_verl_suite] $name: $envs python3 -m true_on_policy.main_ppo preset=qwen3_moe_h200x1 $* ${GPU_VERL_ARGS:-}"
+    echo "[gpu_verl_suite] $name (stopped after $limit s): $envs python3 -m true_on_policy.main_ppo preset=qwen3_moe_h200x1 $* ${GPU_VERL_ARGS:-}"
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -l 2 > "$out/$name.gpu_mem_mib" 2>/dev/null &
     local sampler=$!
     # shellcheck disable=SC2086   # envs, GPU_VERL_ARGS: words by design
-    env $envs timeout -k 30 "${GPU_VERL_TIMEOUT:-570}" python3 -m true_on_policy.main_ppo preset=qwen3_moe_h200x1 \
+    env $envs timeout -k 10 "$limit" python3 -m true_on_policy.main_ppo preset=qwen3_moe_h200x1 \
         actor_rollout_ref.model.path="$model" true_on_policy.cache_dir="$state/cache" hydra.run.dir="$state/$name" \
         "$@" ${GPU_VERL_ARGS:-} 2>&1 | tee "$out/$name.log"
     local status=${PIPESTATUS[0]}
