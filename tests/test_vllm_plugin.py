@@ -490,6 +490,7 @@ def test_full_graphs_are_capped_at_max_model_len():
     assert config(512) == (512, None)
     assert config(300, max_size=None) == (300, None)                  # vLLM's default max (512) too
     assert config(256, sizes=[1, 8, 256, 512, 1024]) == (256, [1, 8, 256])
+    assert config(512, max_size=256, sizes=[1, 8, 256]) == (256, [1, 8, 256])   # all fit: as set
     for unchanged in (config(4096), config(512, max_size=None), config(512, mode="FULL_AND_PIECEWISE"),
                       config(512, mode=None), config(512, eager=True)):
         assert unchanged[0] in (2048, None) and unchanged[1] is None, unchanged

@@ -88,7 +88,7 @@ class SequentialIds:
 
 def patch_trainer(module) -> None:
     """verl.trainer.ppo.v1.trainer_base: its prompts' uids from SequentialIds."""
-    if not isinstance(module.uuid, SequentialIds):
+    if not isinstance(getattr(module, "uuid", SequentialIds), SequentialIds):   # (a verl without it: nothing to do)
         module.uuid = SequentialIds()
 
 

@@ -57,8 +57,9 @@ def cap_graphs_at_model_len(vllm_config) -> None:
         return
     if cc.cudagraph_capture_sizes:
         kept = [n for n in cc.cudagraph_capture_sizes if n <= limit] or [1]
-        if kept != list(cc.cudagraph_capture_sizes):
-            cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = kept, max(kept)
+        if kept == list(cc.cudagraph_capture_sizes):
+            return
+        cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = kept, max(kept)
     elif (cc.max_cudagraph_capture_size or GRAPH_DEFAULT_MAX) > limit:
         cc.max_cudagraph_capture_size = limit
     else:
