@@ -6,7 +6,7 @@ signature. The rules are written in contract.py; ``contract_fingerprint()`` is
 what both engines log and must agree on.
 """
 from .contract import KV_BLOCK, fingerprint
-from .dispatch import backend_name, contract_fingerprint, get_backend, set_backend
+from .dispatch import backend_device, backend_name, contract_fingerprint, get_backend, set_backend
 from .experts import ExpertStack
 
 

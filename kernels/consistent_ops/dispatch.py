@@ -52,6 +52,14 @@ def backend_name():
     return get_backend().NAME
 
 
+_DEVICES = {"triton": "cuda", "ascend": "npu"}   # the reference backend runs on the CPU
+
+
+def backend_device() -> str:
+    """The device type the active backend's kernels run on."""
+    return _DEVICES.get(backend_name(), "cpu")
+
+
 def contract_fingerprint(model=None):
     """The fingerprint of the active backend's contract; both engines log and compare it.
     ``model``: the model's op parameters (models.ModelConfig.numerics()), hashed in with it."""

@@ -16,7 +16,6 @@ import torch
 
 import consistent_ops as co
 
-DEVICES = {"triton": "cuda", "ascend": "npu"}   # others (and the Triton CPU interpreter) run on the CPU
 HQ, HKV, D, H, I, E, K, V = 4, 2, 64, 256, 128, 8, 2, 1000
 BF16 = torch.bfloat16
 
@@ -156,7 +155,7 @@ def _attention(g, dev, page):
 
 
 def battery(seed=0):
-    dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else DEVICES.get(co.backend_name(), "cpu")
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else co.backend_device()   # the interpreter: CPU
     page = 128 if co.backend_name() == "ascend" else 16    # flash-attention-npu takes pages of 128
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

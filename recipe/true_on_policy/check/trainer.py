@@ -17,12 +17,6 @@ import consistent_ops as co
 from true_on_policy.models import ConsistentForCausalLM
 
 PACK_TOKENS = 8192   # tokens per packed forward
-_DEVICES = {"triton": "cuda", "ascend": "npu"}
-
-
-def device() -> str:
-    """The rollout's device: where its backend's kernels run (the reference backend: CPU)."""
-    return _DEVICES.get(co.backend_name(), "cpu")
 
 
 def _packs(sequences):
@@ -48,7 +42,7 @@ def consistent_logprobs(model_dir, sequences, temperature, tp, vocab_limit, dtyp
     of the rollout (scheme.ROLLOUT_DTYPE: checkpoints and fp32 pushes are rounded to it on
     both sides); ``truncation``: the rollout's (top_k, top_p, min_p), applied by the contract
     as the rollout did."""
-    dev = device()
+    dev = co.backend_device()
     model = ConsistentForCausalLM.from_pretrained(model_dir, tp_size=tp, dtype=dtype, device=dev).eval()
     out = [None] * len(sequences)
     for pack in _packs(sequences):
@@ -70,12 +64,12 @@ def consistent_logprobs(model_dir, sequences, temperature, tp, vocab_limit, dtyp
 def load_hf(model_dir):
     _hide_broken_torchvision()
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir).to(device()).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir).to(co.backend_device()).eval()
 
 
 def stock_logprobs(model_dir, sequences, temperature):
     """fp32 log-prob of every generated token from a stock HF forward (one sequence at a time)."""
-    model, out, dev = load_hf(model_dir), [], device()
+    model, out, dev = load_hf(model_dir), [], co.backend_device()
     for s in sequences:
         ids = torch.tensor([s["prompt"] + s["output"]], device=dev)
         with torch.no_grad():
@@ -89,7 +83,7 @@ def stock_logprobs(model_dir, sequences, temperature):
 def capture(model_dir, tokens, tp, stock, dtype=None):
     """Per-op activations of one full sequence: {op: (positions, rows)}."""
     from true_on_policy.check.capture import Capture
-    dev = device()
+    dev = co.backend_device()
     model = load_hf(model_dir) if stock else ConsistentForCausalLM.from_pretrained(
         model_dir, tp_size=tp, dtype=dtype, device=dev).eval()
     cap = Capture(model)
