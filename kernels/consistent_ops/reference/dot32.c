@@ -30,6 +30,7 @@ static inline v16 load16(const float *p) { v16 r = {_mm512_loadu_ps(p)}; return 
 static inline v16 fma16(v16 a, v16 b, v16 c) { v16 r = {_mm512_fmadd_ps(a.v, b.v, c.v)}; return r; }
 static inline v16 add16(v16 a, v16 b) { v16 r = {_mm512_add_ps(a.v, b.v)}; return r; }
 static inline void store16(float *p, v16 a) { _mm512_storeu_ps(p, a.v); }
+static inline v16 set16(float x) { v16 r = {_mm512_set1_ps(x)}; return r; }
 #elif defined(__FMA__)
 typedef struct { __m256 lo, hi; } v16;
 static inline v16 zero16(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
@@ -40,6 +41,7 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 }
 static inline v16 add16(v16 a, v16 b) { v16 r = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return r; }
 static inline void store16(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline v16 set16(float x) { v16 r = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return r; }
 #else
 typedef struct { float v[LANES]; } v16;
 static inline v16 zero16(void) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = 0.0f; return r; }
@@ -51,6 +53,7 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 }
 static inline v16 add16(v16 a, v16 b) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = a.v[i] + b.v[i]; return r; }
 static inline void store16(float *p, v16 a) { memcpy(p, a.v, sizeof a.v); }
+static inline v16 set16(float x) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = x; return r; }
 #endif
 
 /* The fixed lane tree (header comment); the AVX2 steps are that tree on registers. */
@@ -194,6 +197,19 @@ static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16
         const int64_t nj = nr - j0 < PAIR_COLS ? nr - j0 : PAIR_COLS;
         for (int64_t i = 0; i < mr; i += 4) {
             const int64_t mi = mr - i < 4 ? mr - i : 4;
+            if (mi < 4) {   /* tail rows (e.g. decode attention's 1-2 rows) alone: no padding rows computed */
+                for (int64_t r = 0; r < mi; r++) {
+                    const uint16_t *arow = a + (i + r) * lda;
+                    v16 c[PAIR_COLS];
+                    for (int64_t t = 0; t < PAIR_COLS; t++) c[t] = zero16();
+                    for (int64_t k = 0; k < kp; k += PAIR_K)
+                        for (int64_t t = 0; t < PAIR_COLS; t++) c[t] = pair16(arow + k, b[j0 + t] + k, c[t]);
+                    float f[4];
+                    finish16x4(c[0], c[1], c[2], c[3], f);   /* four independent trees */
+                    for (int64_t t = 0; t < nj; t++) out[(i + r) * ldo + j0 + t] = f[t];
+                }
+                continue;
+            }
             const uint16_t *ar[4];
             for (int64_t r = 0; r < 4; r++) ar[r] = a + (i + (r < mi ? r : 0)) * lda;   /* tail rows: recomputed, not stored */
             v16 c[PAIR_COLS][4];
@@ -354,6 +370,26 @@ static inline float exp32_one(float x) {
 /* out[i] = exp32_one(x[i]), i < n. */
 static void exp32_rows(const float *x, float *out, int64_t n) {
     int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 8 <= n; i += 8) {                                            /* the AVX2 steps, 8 wide */
+        const __m256 xf = _mm256_loadu_ps(x + i);
+        const __m512d xd = _mm512_min_pd(_mm512_cvtps_pd(xf), _mm512_set1_pd(89.0));
+        const __m512d nn = _mm512_roundscale_pd(_mm512_mul_pd(xd, _mm512_set1_pd(LOG2E)),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512d negn = _mm512_castsi512_pd(_mm512_xor_si512(_mm512_castpd_si512(nn),
+                                                                  _mm512_set1_epi64((long long)0x8000000000000000ULL)));
+        __m512d r = _mm512_fmadd_pd(negn, _mm512_set1_pd(LN2_HI), xd);
+        r = _mm512_fmadd_pd(negn, _mm512_set1_pd(LN2_LO), r);
+        __m512d p = _mm512_set1_pd(EXP_C[EXP_DEGREE]);
+        for (int j = EXP_DEGREE - 1; j >= 0; j--) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(EXP_C[j]));
+        const __m512i e = _mm512_slli_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(nn)),
+                                                             _mm512_set1_epi64(1023)), 52);
+        __m256 y = _mm512_cvtpd_ps(_mm512_mul_pd(p, _mm512_castsi512_pd(e)));
+        y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps(xf, _mm256_set1_ps(-104.0f), _CMP_LT_OQ));
+        y = _mm256_blendv_ps(y, xf, _mm256_cmp_ps(xf, xf, _CMP_UNORD_Q));
+        _mm256_storeu_ps(out + i, y);
+    }
+#endif
 #if defined(__FMA__)
     for (; i + 4 <= n; i += 4) {
         const __m128 xf = _mm_loadu_ps(x + i);
@@ -392,33 +428,54 @@ void rms_norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, co
     norm_rows(sumsq32, LANES, T, H, dt, x, sx, res, sres, w, eps, out, res_out);
 }
 
+/* pv[d] = contract_dot(p, v[., d]) for d < dp: p one row of kvp fp32 values, V rows of dp fp32 at
+ * vb + n * dp. block32's order (lane j: n = j, j+16, ... ascending, from +0; finish16's tree),
+ * vectorised over 16 d at a time instead of over the lanes: each d gets exactly the same fmas and
+ * adds, and V is used as the cache stores it (no transpose). Groups of 16 positions with no
+ * visible key (n >= nvis: p = +0, V rows zeroed) are skipped: fma(+0, +0, acc) == acc, since a lane
+ * that starts at +0 never holds -0. */
+static void pv_row(const float *p, const float *vb, int64_t nvis, int64_t dp, float *out) {
+    for (int64_t d0 = 0; d0 < dp; d0 += LANES) {
+        v16 l[LANES];
+        for (int j = 0; j < LANES; j++) l[j] = zero16();
+        for (int64_t i = 0; i < nvis; i += LANES)
+            for (int j = 0; j < LANES; j++) l[j] = fma16(set16(p[i + j]), load16(vb + (i + j) * dp + d0), l[j]);
+        v16 t[8], u[4];
+        for (int i = 0; i < 8; i++) t[i] = add16(l[i], l[i + 8]);
+        for (int i = 0; i < 4; i++) u[i] = add16(t[i], t[i + 4]);
+        store16(out + d0, add16(add16(u[0], u[2]), add16(u[1], u[3])));
+    }
+}
+
 /* dot64.c's attend64 (same arguments and loop) with the contractions and the row sums of p
- * in this file's order; exp by exp32_rows. pairs: q.k of BF16 q and K in the pair order. */
+ * in this file's order; exp by exp32_rows. pairs: q.k of BF16 q and K in the pair order.
+ * Keys past the last query position of a block (masked for every row) are neither read nor
+ * multiplied: their scores are -inf and their p exactly 0 either way; a row is skipped in a
+ * block it sees no key of (a = exp(0) = 1, p = 0: l and o would be kept exactly). */
 static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
                         int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
                         float scale, float *out, int pairs) {
     const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
     const int64_t dp = (D + LANES - 1) / LANES * LANES, kvp = (KVB + LANES - 1) / LANES * LANES;
-    const int64_t dpad = (D + 2) / 3 * 3, npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
+    const int64_t npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
     const int64_t dq = (D + PAIR_K - 1) / PAIR_K * PAIR_K;       /* pair rows (bf16) */
     const int64_t nq = (KVB + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS;
     pairs = pairs && tq == BF16 && tkv == BF16;
-    const size_t need = (size_t)(R * dp + npad * dp + dpad * kvp + R * kvp + R * kvp + R * dp + 2 * R + 64)
+    const int k_direct = pairs && kvs[1] == 1 && dq == D;       /* K rows read in place from the cache */
+    const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 2 * R + 64)
                         + (pairs ? (size_t)((R + nq) * dq / 2 + nq * 2 + 16) : 0);
     float *buf = scratch_bytes(need * sizeof(float));
     if (!buf) return -1;
-    float *qb = buf, *kb = qb + R * dp, *vt = kb + npad * dp, *pb = vt + dpad * kvp, *sbuf = pb + R * kvp;
+    float *qb = buf, *kb = qb + R * dp, *vb = kb + npad * dp, *pb = vb + kvp * dp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
-    memset(kb, 0, (size_t)(npad * dp + dpad * kvp + R * kvp) * sizeof(float));   /* pads stay 0 */
+    memset(kb, 0, (size_t)(npad * dp + kvp * dp + R * kvp) * sizeof(float));   /* pads stay 0 */
     const uint16_t **krow = (const uint16_t **)(((uintptr_t)(lrow + R) + 63) & ~(uintptr_t)63);
     uint16_t *qb16 = (uint16_t *)(krow + nq), *kb16 = qb16 + R * dq;
-    if (pairs)
-        for (int64_t n = 0; n < nq; n++) krow[n] = kb16 + (n < KVB ? n : 0) * dq;
     for (int64_t s = 0; s < S; s++)
     for (int64_t h = 0; h < H; h++) {
         const int64_t *ts = tok + s * L;
-        const int64_t slen = seq_len[s];
         const int64_t *qp = qpos + s * R;
+        const int64_t slen = seq_len[s];
         float *o = out + (s * H + h) * R * D;
         for (int64_t r = 0; r < R; r++) {
             const char *qr = Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq;
@@ -434,42 +491,42 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
         int64_t last = 0;
         for (int64_t r = 0; r < R; r++) last = qp[r] > last ? qp[r] : last;
         for (int64_t j = 0; j * KVB <= last && j * KVB < L; j++) {
-            for (int64_t n = 0; n < KVB; n++) {
+            const int64_t nvis = last - j * KVB + 1 < KVB ? last - j * KVB + 1 : KVB;   /* keys some row sees */
+            const int64_t nv16 = (nvis + LANES - 1) / LANES * LANES;
+            for (int64_t n = 0; n < nvis; n++) {
                 const int64_t pos = j * KVB + n;
                 const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
-                if (n + PREFETCH < KVB) {
+                if (n + PREFETCH < nvis) {
                     prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
                     prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
                 }
-                if (pairs) copy_bf16((const uint16_t *)kr, D, kvs[1], dq, kb16 + n * dq);
+                if (k_direct) krow[n] = (const uint16_t *)kr;
+                else if (pairs) { copy_bf16((const uint16_t *)kr, D, kvs[1], dq, kb16 + n * dq); krow[n] = kb16 + n * dq; }
                 else widen32(kr, tkv, D, kvs[1], kb + n * dp);
-                if (pos < slen) {                            /* V transposed: rows d of positions */
-                    if (tkv == F32) for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = ((const float *)vr)[d * kvs[1]];
-                    else for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = bf16_to_float(((const uint16_t *)vr)[d * kvs[1]]);
-                } else {
-                    for (int64_t d = 0; d < D; d++) vt[d * kvp + n] = 0.0f;
-                }
+                if (pos < slen) widen32(vr, tkv, D, kvs[1], vb + n * dp);   /* V rows as stored; d pads stay 0 */
+                else memset(vb + n * dp, 0, (size_t)D * sizeof(float));
             }
-            if (pairs) block_pairs(qb16, dq, R, krow, KVB, dq, sbuf, kvp);   /* sbuf[r][n] = contract_dot(q, k) */
-            else block32(qb, R, kb, KVB, dp, sbuf, kvp);
+            for (int64_t n = nvis; n < nv16; n++) memset(vb + n * dp, 0, (size_t)D * sizeof(float));
+            if (pairs) {
+                for (int64_t n = nvis; n < (nvis + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; n++) krow[n] = krow[0];
+                block_pairs(qb16, dq, R, krow, nvis, dq, sbuf, kvp);   /* sbuf[r][n] = contract_dot(q, k) */
+            } else block32(qb, R, kb, nvis, dp, sbuf, kvp);
             for (int64_t r = 0; r < R; r++) {
+                if (j * KVB > qp[r]) continue;   /* a block this row sees nothing of: an exact no-op (m, l, o kept) */
                 float *sr = sbuf + r * kvp, bm = -INFINITY;
                 for (int64_t n = 0; n < KVB; n++) {
-                    sr[n] = j * KVB + n <= qp[r] ? sr[n] * scale : -INFINITY;
+                    sr[n] = n < nvis && j * KVB + n <= qp[r] ? sr[n] * scale : -INFINITY;
                     bm = sr[n] > bm ? sr[n] : bm;
                 }
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
                 const float a = exp32_one(mrow[r] - m_new);
                 float *pr = pb + r * kvp;
                 for (int64_t n = 0; n < KVB; n++) pr[n] = sr[n] - m_new;
-                exp32_rows(pr, pr, KVB);
+                exp32_rows(pr, pr, nvis);
+                for (int64_t n = nvis; n < KVB; n++) pr[n] = 0.0f;    /* exp32(-inf) */
                 lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
                 mrow[r] = m_new;
-                sr[0] = a;
-            }
-            block32(pb, R, vt, D, kvp, pv, dp);              /* pv[r][d] = contract_dot(p, v) */
-            for (int64_t r = 0; r < R; r++) {
-                const float a = sbuf[r * kvp];
+                pv_row(pr, vb, nvis, dp, pv + r * dp);               /* pv[r][d] = contract_dot(p, v) */
                 for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] * a + pv[r * dp + d];
             }
         }
