@@ -61,27 +61,32 @@ static inline void prefetch(const char *p, int64_t bytes) {
  * dt, written to res_out); var = sumsq(r zero-padded to a multiple of lanes) / H, the
  * contract_dot(r, r) of the calling kernel; inv = 1 / sqrt(var + eps);
  * out = dt(dt(r * inv) * w), every step an IEEE fp32 operation rounded as torch rounds it,
- * so the same bits as reference/norm.py's torch steps, which autograd uses instead. */
-static void norm_rows(float (*sumsq)(const float *, int64_t), int64_t lanes, int64_t T, int64_t H, int dt,
-                      const char *x, int64_t sx, const char *res, int64_t sres, const char *w, float eps,
-                      char *out, char *res_out) {
+ * so the same bits as reference/norm.py's torch steps, which autograd uses instead.
+ * norm_rows_dt is inlined once per dtype, so its loops carry no dtype branch and vectorise. */
+static inline __attribute__((always_inline)) void norm_rows_dt(
+        float (*sumsq)(const float *, int64_t), int64_t lanes, int64_t T, int64_t H, const int dt, const char *x,
+        int64_t sx, const char *res, int64_t sres, const char *w, float eps, char *out, char *res_out) {
     const int64_t e = ELEM[dt], hp = (H + lanes - 1) / lanes * lanes;
-    float *r = scratch_bytes((size_t)hp * sizeof(float));
+    float *r = scratch_bytes((size_t)(hp + H) * sizeof(float)), *wf = r + hp;
+    for (int64_t i = 0; i < H; i++) wf[i] = load_act(w, dt, i);
+    for (int64_t i = H; i < hp; i++) r[i] = 0.0f;
     for (int64_t t = 0; t < T; t++) {
         const char *xr = x + t * sx * e;
-        for (int64_t i = 0; i < hp; i++) {
-            float v = 0.0f;
-            if (i < H) {
-                v = load_act(xr, dt, i);
-                if (res) {
-                    v = round_act(dt, v + load_act(res + t * sres * e, dt, i));
-                    store_act(res_out + t * H * e, dt, i, v);
-                }
-            }
-            r[i] = v;
+        for (int64_t i = 0; i < H; i++) r[i] = load_act(xr, dt, i);
+        if (res) {
+            const char *rr = res + t * sres * e;
+            for (int64_t i = 0; i < H; i++) r[i] = round_act(dt, r[i] + load_act(rr, dt, i));
+            for (int64_t i = 0; i < H; i++) store_act(res_out + t * H * e, dt, i, r[i]);
         }
         const float var = sumsq(r, hp) / (float)H;
         const float inv = 1.0f / sqrtf(var + eps);
-        for (int64_t i = 0; i < H; i++) store_act(out + t * H * e, dt, i, round_act(dt, r[i] * inv) * load_act(w, dt, i));
+        for (int64_t i = 0; i < H; i++) store_act(out + t * H * e, dt, i, round_act(dt, r[i] * inv) * wf[i]);
     }
+}
+
+static void norm_rows(float (*sumsq)(const float *, int64_t), int64_t lanes, int64_t T, int64_t H, int dt,
+                      const char *x, int64_t sx, const char *res, int64_t sres, const char *w, float eps,
+                      char *out, char *res_out) {
+    if (dt == BF16) norm_rows_dt(sumsq, lanes, T, H, BF16, x, sx, res, sres, w, eps, out, res_out);
+    else norm_rows_dt(sumsq, lanes, T, H, F32, x, sx, res, sres, w, eps, out, res_out);
 }
