@@ -116,7 +116,13 @@ def default_accumulation() -> str:
     """contract.CPU_ACCUMULATION_BF16 where this CPU has the bf16 dot instruction (VDPBF16PS, flag
     avx512_bf16), else CPU_ACCUMULATION_DEFAULT: a function of the host, so every process of a
     job on one machine (trainer, vLLM workers) picks the same, and the fingerprint names it."""
-    return CPU_ACCUMULATION_BF16 if "avx512_bf16" in _cpu_flags().split() else CPU_ACCUMULATION_DEFAULT
+    return CPU_ACCUMULATION_BF16 if "avx512_bf16" in _flag_set(_cpu_flags()) else CPU_ACCUMULATION_DEFAULT
+
+
+@functools.cache
+def _flag_set(flags: str) -> frozenset:
+    """The words of a cpuinfo flags line, split once (this runs on every contraction)."""
+    return frozenset(flags.split())
 
 
 def _kernel(*tensors) -> str:
@@ -189,9 +195,10 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale):
     qh = qh if qh.stride(-1) == 1 else qh.contiguous()
     token, qpos, seq_lens = (t.to(torch.int64).contiguous() for t in (token, qpos, seq_lens))
     L = token.shape[1]
-    reach = int(token.max()) + (H - 1) * head_stride + (D - 1) * dim_stride
+    lo, hi = (int(t) for t in token.aminmax())
+    reach = hi + (H - 1) * head_stride + (D - 1) * dim_stride
     for c in (k, v):
-        if int(token.min()) < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
+        if lo < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
             raise IndexError(f"attend: K/V offsets up to {reach} fall outside the cache tensor")
     if k.dtype != v.dtype or k.dtype not in DTYPES:
         raise TypeError(f"attend: K/V dtypes {k.dtype}/{v.dtype}; use one of {list(DTYPES)}")
