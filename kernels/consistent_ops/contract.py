@@ -230,6 +230,9 @@ CPU_ACCUMULATION = {
             "r = fma(-n, ln2_lo, fma(-n, ln2_hi, x)) (fdlibm's ln2 split), degree-13 Taylor polynomial of "
             "exp(r) by fma Horner, times 2^n, rounded to fp32 (dot32.c exp32_rows; exp(0) = 1); "
             "sqrt: IEEE (libm sqrtf)"),
+        "silu_mul": (
+            "CPU tensors of bf16/fp32 (gate and up alike), trainer and rollout: exp(-g) by the attention's exp "
+            "above (fp64 polynomial rounded to fp32; dot32.c silu_mul32), the other steps as the common rule"),
     },
     "bf16": {
         "cpu_accumulation": "bf16",
@@ -247,6 +250,7 @@ CPU_ACCUMULATION = {
         "attention": (
             "as the fp32 realisation (reference/dot32.c attend32p), except q.k of bf16 q and K in the "
             "bf16 pair lanes above; p.v (p fp32) and the row sums of p in the fp32 lanes"),
+        "silu_mul": "as the fp32 realisation",
     },
 }
 

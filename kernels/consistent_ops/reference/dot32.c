@@ -548,3 +548,20 @@ int attend32p(const int64_t *dims, const char *Q, int tq, const int64_t *qs, con
               float scale, float *out) {
     return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, 1);
 }
+
+/* SiLU*mul of R rows of C (dt = F32 or BF16; gate, up and out rows at strides sg, su, C elements
+ * contiguous): g = gate (fp32), e = exp32(-g) by exp32_rows (the attention's fp64 polynomial, rounded
+ * to fp32), out = dt(g / (1 + e) * up), each step one IEEE fp32 operation (contract CPU_ACCUMULATION
+ * "silu_mul"). reference/pointwise.py's torch steps spell the same with torch.exp in fp64. */
+int silu_mul32(int64_t R, int64_t C, int dt, const char *gate, int64_t sg, const char *up, int64_t su, char *out) {
+    const int64_t e = ELEM[dt];
+    float *g = scratch_bytes((size_t)(2 * C) * sizeof(float)), *ex = g + C;
+    if (!g) return -1;
+    for (int64_t r = 0; r < R; r++) {
+        const char *gr = gate + r * sg * e, *ur = up + r * su * e;
+        for (int64_t i = 0; i < C; i++) { g[i] = load_act(gr, dt, i); ex[i] = -g[i]; }
+        exp32_rows(ex, ex, C);
+        for (int64_t i = 0; i < C; i++) store_act(out + r * C * e, dt, i, g[i] / (1.0f + ex[i]) * load_act(ur, dt, i));
+    }
+    return 0;
+}

@@ -90,6 +90,8 @@ def library():
                 getattr(lib, norm).restype = None
             lib.inv_sqrt32.argtypes = [i64, p, p]
             lib.inv_sqrt32.restype = None
+            lib.silu_mul32.argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p]
+            lib.silu_mul32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -242,4 +244,18 @@ def inv_sqrt(x):
     x = x.contiguous()
     out = torch.empty_like(x)
     library().inv_sqrt32(x.numel(), x.data_ptr(), out.data_ptr())
+    return out
+
+
+def silu_mul(gate, up):
+    """contract silu_mul of gate/up [..., C] (ACTIVATIONS dtype, the same for both) in one call
+    (dot32.c silu_mul32: exp(-g) by the attention's polynomial; the fp32 and bf16 realisations).
+    No autograd."""
+    c = gate.shape[-1]
+    g, u = gate.reshape(-1, c), up.reshape(-1, c)      # views where rows are strided (a chunk of gate|up)
+    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, u))
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    if out.numel() and library().silu_mul32(g.shape[0], c, DTYPES[gate.dtype], g.data_ptr(), g.stride(0),
+                                            u.data_ptr(), u.stride(0), out.data_ptr()):
+        raise MemoryError("consistent_ops silu_mul: out of memory for its row buffer")
     return out

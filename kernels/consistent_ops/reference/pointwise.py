@@ -3,7 +3,8 @@ import math
 
 import torch
 
-from .core import exp32
+from . import native
+from .core import exp32, recording
 
 
 def rope_cos_sin(positions, head_dim, theta, scaling=None):
@@ -55,9 +56,35 @@ def apply_rope(x, cos, sin):
 
 
 def silu_mul(gate, up):
+    """On CPU in the fp32/bf16 realisations one native call (native.silu_mul: exp by the attention's
+    polynomial, contract.CPU_ACCUMULATION "silu_mul"), with or without autograd, so the trainer and
+    the rollout share it; elsewhere (and in the fp64 realisation) the torch steps below."""
+    if (gate.device.type == "cpu" and gate.dtype in native.ACTIVATIONS and up.dtype == gate.dtype
+            and native.accumulation() != "fp64"):
+        return _NativeSiluMul.apply(gate, up) if recording(gate, up) else native.silu_mul(gate, up)
+    return _silu_mul_torch(gate, up)
+
+
+def _silu_mul_torch(gate, up):
     g = gate.float()
     act = g / (1.0 + exp32(-g))
     return (act * up.float()).to(gate.dtype)
+
+
+class _NativeSiluMul(torch.autograd.Function):
+    """Forward: native.silu_mul; backward: autograd through the torch steps (their exp differs from
+    the polynomial in at most rare last bits of a value, not in the gradient's rule)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return native.silu_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            return torch.autograd.grad(_silu_mul_torch(gate, up), (gate, up), grad)
 
 
 def embedding(ids, weight):
