@@ -68,3 +68,23 @@ def test_stock_ep_partial_sums_differ():
         return partials[0] + partials[1]
 
     assert not torch.equal(stock([0] * 4 + [1] * 4), stock([0, 1] * 4))
+
+
+def test_native_stack_equals_the_torch_path():
+    """Stacked experts on CPU run as one native call (reference/moe.py _native); a mapping takes
+    the batched torch path. Same bits: all experts, a rank's contiguous share, a token alone,
+    an expert without tokens."""
+    from consistent_ops.reference import moe as reference_moe, native
+    x, gate, experts = setup()
+    stack = co.ExpertStack(torch.stack([torch.cat(experts[e][:2]) for e in range(E)]),
+                           torch.stack([experts[e][2] for e in range(E)]), list(range(E)))
+    ids, w = co.moe_route(x, gate, K)
+    ids[:, :] = torch.where(ids == 3, 4, ids)           # expert 3 gets no token
+    for local in (None, [4, 5, 6, 7]):
+        sub = stack if local is None else co.ExpertStack(stack.gate_up[4:], stack.down[4:], local)
+        assert reference_moe._native(x, sub, local or list(range(E)), w) == (native.accumulation() != "fp64")
+        c_native, o_native = co.moe_expert_contributions(x, ids, w, sub, local)
+        c_torch, o_torch = co.moe_expert_contributions(x, ids, w, experts, local)
+        assert torch.equal(o_native, o_torch) and torch.equal(c_native[o_native], c_torch[o_torch])
+        one, o_one = co.moe_expert_contributions(x[7:8], ids[7:8], w[7:8], sub, local)
+        assert torch.equal(o_one, o_native[7:8]) and torch.equal(one[o_one], c_native[7:8][o_one])

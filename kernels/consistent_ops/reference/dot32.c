@@ -565,3 +565,57 @@ int silu_mul32(int64_t R, int64_t C, int dt, const char *gate, int64_t sg, const
     }
     return 0;
 }
+
+/* The MoE experts of reference/moe.py moe_expert_contributions without autograd, in one call:
+ * for each local expert le (global id e0 + le) its (token, slot) pairs p (p = token * k + slot,
+ * ascending), x rows gathered; gu = dt(contract_dot(x row, gate_up rows)) [2I]; h = silu_mul32(gu[:I],
+ * gu[I:]); contrib[p] = contract_dot(h, down rows) [H] * wts[p] (fp32), owned[p] = 1; pairs routed
+ * to no local expert: contrib 0, owned 0. Every dot is dot32p's (pairs) or dot32's, so each value
+ * has the bits of the batched torch path, which computes the same dots of the same rows.
+ * Stack strides {expert, n, k} in elements. Returns 0, or -1 when out of memory. */
+int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char *x, int64_t sx,
+                  const int64_t *ids, const float *wts, int64_t e0, int64_t ne, const char *gu, const int64_t *sgu,
+                  const char *dn, const int64_t *sdn, int pairs, float *contrib, uint8_t *owned) {
+    int (*dot)(const int64_t *, const char *, int, const int64_t *, const char *, int, const int64_t *,
+               const int64_t *, float *) = pairs ? dot32p : dot32;
+    const int64_t e = ELEM[dt], TK = T * k;
+    int64_t *start = calloc((size_t)(ne + 1), sizeof(int64_t)), *list = malloc((size_t)(TK ? TK : 1) * sizeof(int64_t));
+    int64_t most = 0;
+    for (int64_t p = 0; p < TK; p++) {
+        const int64_t le = ids[p] - e0;
+        owned[p] = le >= 0 && le < ne;
+        if (owned[p]) start[le + 1]++;
+        else memset(contrib + p * H, 0, (size_t)H * sizeof(float));
+    }
+    for (int64_t le = 0; le < ne; le++) {
+        most = start[le + 1] > most ? start[le + 1] : most;
+        start[le + 1] += start[le];
+    }
+    int64_t *fill = malloc((size_t)(ne + 1) * sizeof(int64_t));
+    char *xa = malloc((size_t)(most * H * e + 64)), *gd = malloc((size_t)(most * 2 * I * e + 64));
+    char *h = malloc((size_t)(most * I * e + 64));
+    float *g = malloc((size_t)(most * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
+    int rc = !(start && list && fill && xa && gd && h && g) ? -1 : 0;
+    if (!rc) {
+        memcpy(fill, start, (size_t)(ne + 1) * sizeof(int64_t));
+        for (int64_t p = 0; p < TK; p++)
+            if (owned[p]) list[fill[ids[p] - e0]++] = p;              /* ascending p within each expert */
+    }
+    for (int64_t le = 0; le < ne && !rc; le++) {
+        const int64_t n = start[le + 1] - start[le], *pl = list + start[le];
+        if (!n) continue;
+        for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
+        const int64_t shape1[6] = {1, 1, 1, n, 2 * I, H}, sa1[5] = {0, 0, 0, H, 1}, sb1[5] = {0, 0, 0, sgu[1], sgu[2]};
+        rc = dot(shape1, xa, dt, sa1, gu + le * sgu[0] * e, dt, sb1, NULL, g);
+        if (rc) break;
+        for (int64_t i = 0; i < n * 2 * I; i++) store_act(gd, dt, i, g[i]);            /* gu rounded to dt */
+        rc = silu_mul32(n, I, dt, gd, 2 * I, gd + I * e, 2 * I, h);
+        if (rc) break;
+        const int64_t shape2[6] = {1, 1, 1, n, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, sdn[1], sdn[2]};
+        rc = dot(shape2, h, dt, sa2, dn + le * sdn[0] * e, dt, sb2, NULL, g);
+        for (int64_t i = 0; i < n && !rc; i++)
+            for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = g[i * H + c] * wts[pl[i]];
+    }
+    free(start); free(list); free(fill); free(xa); free(gd); free(h); free(g);
+    return rc;
+}

@@ -2,7 +2,8 @@
 import torch
 
 from ..experts import ExpertStack
-from .core import exp32, matmul32, sum32
+from . import native
+from .core import exp32, matmul32, recording, sum32
 from .linear import linear
 from .pointwise import silu_mul
 
@@ -49,6 +50,9 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     bits on whichever rank, and in whichever token group, it is computed."""
     t, k = ids.shape
     local = sorted(range(len(experts)) if local_experts is None else local_experts)
+    if _native(x, experts, local, weights):
+        contrib, owned = native.moe_experts(x, ids, weights, experts.gate_up, experts.down, local[0])
+        return contrib.view(t, k, -1), owned.view(t, k)
     every = len(local) == len(experts)        # then each (token, slot) gets a contribution
     contrib = (torch.empty if every else torch.zeros)(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
     owned = torch.zeros(t * k, dtype=torch.bool, device=x.device)
@@ -62,6 +66,16 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
         contrib = contrib.index_put((sel,), out[valid])
         owned[sel] = True
     return contrib.view(t, k, -1), owned.view(t, k)
+
+
+def _native(x, experts, local, weights):
+    """Whether the experts run as one native call (CPU inference in the fp32/bf16 realisations,
+    a stack of contiguous local ids in x's dtype): the same dots of the same rows as the torch
+    path below, minus its ~30 gathers, scatters and pointwise ops a layer."""
+    return (x.device.type == "cpu" and x.dtype in native.ACTIVATIONS and x.shape[0] > 0 and isinstance(experts, ExpertStack)
+            and experts.local == list(local) and local == list(range(local[0], local[0] + len(local)))
+            and experts.gate_up.dtype == x.dtype and experts.down.dtype == x.dtype
+            and native.accumulation() != "fp64" and not recording(x, weights, experts.gate_up, experts.down))
 
 
 def moe_combine(contrib, out_dtype):

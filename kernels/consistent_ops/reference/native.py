@@ -92,6 +92,9 @@ def library():
             lib.inv_sqrt32.restype = None
             lib.silu_mul32.argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p]
             lib.silu_mul32.restype = ctypes.c_int
+            lib.moe_experts32.argtypes = [i64, i64, i64, i64, ctypes.c_int, p, i64, p, p, i64, i64, p, p, p, p,
+                                          ctypes.c_int, p, p]
+            lib.moe_experts32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -259,3 +262,23 @@ def silu_mul(gate, up):
                                             u.data_ptr(), u.stride(0), out.data_ptr()):
         raise MemoryError("consistent_ops silu_mul: out of memory for its row buffer")
     return out
+
+
+def moe_experts(x, ids, weights, gate_up, down, first):
+    """reference/moe.py's expert contributions in one call (dot32.c moe_experts32) for the local
+    experts first .. first + len(gate_up) - 1, stacked as gate_up [L, 2I, H] and down [L, H, I]
+    (x's dtype, an ACTIVATIONS dtype): contrib [T*k, H] fp32 (0 where no local expert) and owned
+    [T*k] bool, the bits of the batched torch path (the same dots of the same rows). The fp32 /
+    bf16 realisations only (fp64 operands take dot64.c). No autograd."""
+    t, k = ids.shape
+    h, inter = x.shape[-1], down.shape[-1]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
+    contrib = torch.empty(t * k, h, dtype=torch.float32)
+    owned = torch.empty(t * k, dtype=torch.bool)
+    if library().moe_experts32(t, k, h, inter, DTYPES[x.dtype], x.data_ptr(), x.stride(0), ids.data_ptr(),
+                               weights.data_ptr(), first, gate_up.shape[0], gate_up.data_ptr(),
+                               _int64s(gate_up.stride()), down.data_ptr(), _int64s(down.stride()),
+                               int(_kernel(x, gate_up) == "32p"), contrib.data_ptr(), owned.data_ptr()):
+        raise MemoryError("consistent_ops moe_experts: out of memory for its buffers")
+    return contrib, owned
