@@ -619,3 +619,22 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
     free(start); free(list); free(fill); free(xa); free(gd); free(h); free(g);
     return rc;
 }
+
+/* Neox rotate-half RoPE of x [T, Hh, D] (dt F32 or BF16, contiguous) with fp32 tables cos, sin [T, D/2]:
+ * out[i] = dt(x1 * c - x2 * s), out[i + D/2] = dt(x2 * c + x1 * s), each product and sum one IEEE fp32
+ * operation (no FMA: -ffp-contract=off), i.e. reference/pointwise.py apply_rope's torch steps. Any
+ * realisation: these bits never depended on it. */
+void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const float *cos, const float *sin, char *out) {
+    const int64_t e = ELEM[dt], half = D / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hh; h++) {
+            const char *xr = x + (t * Hh + h) * D * e;
+            char *o = out + (t * Hh + h) * D * e;
+            const float *c = cos + t * half, *s = sin + t * half;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = load_act(xr, dt, i), x2 = load_act(xr, dt, i + half);
+                store_act(o, dt, i, x1 * c[i] - x2 * s[i]);
+                store_act(o, dt, i + half, x2 * c[i] + x1 * s[i]);
+            }
+        }
+}

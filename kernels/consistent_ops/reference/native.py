@@ -95,6 +95,8 @@ def library():
             lib.moe_experts32.argtypes = [i64, i64, i64, i64, ctypes.c_int, p, i64, p, p, i64, i64, p, p, p, p,
                                           ctypes.c_int, p, p]
             lib.moe_experts32.restype = ctypes.c_int
+            lib.rope_rows.argtypes = [i64, i64, i64, ctypes.c_int, p, p, p, p]
+            lib.rope_rows.restype = None
             _lib = lib
     return _lib
 
@@ -282,3 +284,13 @@ def moe_experts(x, ids, weights, gate_up, down, first):
                                int(_kernel(x, gate_up) == "32p"), contrib.data_ptr(), owned.data_ptr()):
         raise MemoryError("consistent_ops moe_experts: out of memory for its buffers")
     return contrib, owned
+
+
+def apply_rope(x, cos, sin):
+    """reference/pointwise.py apply_rope (x [T, H, D] of an ACTIVATIONS dtype, fp32 cos/sin
+    [T, D/2]) in one call (dot32.c rope_rows): the same IEEE fp32 steps. No autograd."""
+    x, cos, sin = x.contiguous(), cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty_like(x)
+    library().rope_rows(x.shape[0], x.shape[1], x.shape[2], DTYPES[x.dtype], x.data_ptr(), cos.data_ptr(),
+                        sin.data_ptr(), out.data_ptr())
+    return out

@@ -48,7 +48,11 @@ def _yarn_range(d, theta, s):
 
 
 def apply_rope(x, cos, sin):
-    """Neox rotate-half on x [T, H, D] in fp32, rounded to x's dtype."""
+    """Neox rotate-half on x [T, H, D] in fp32, rounded to x's dtype (on CPU without autograd the
+    same steps in one native call)."""
+    if (x.device.type == "cpu" and x.dtype in native.ACTIVATIONS and x.dim() == 3 and cos.shape == sin.shape
+            == (x.shape[0], x.shape[2] // 2) and not recording(x, cos, sin)):
+        return native.apply_rope(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     c, s = cos[:, None, :], sin[:, None, :]
