@@ -77,3 +77,14 @@ def test_logprobs_rule():
                    for i in range(0, 64, 7))
     # Padded rows included vs excluded is a real difference: the rule must be shared.
     assert not torch.equal(co.log_softmax(logits, 1.0, 1000)[:, :1000], co.log_softmax(logits)[:, :1000])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_rope_equals_the_torch_steps(dtype):
+    """Inference on CPU runs RoPE as one native call, autograd the torch steps: the same bits."""
+    cos, sin = co.rope_cos_sin(torch.arange(300) * 37, 64, 1e6)
+    x = (torch.randn(300, 3, 64, generator=g) * 100).to(dtype)
+    from consistent_ops.reference import native
+    trained = co.apply_rope(x.clone().requires_grad_(), cos, sin)        # recorded: the torch steps
+    assert torch.equal(native.apply_rope(x, cos, sin), trained.detach())
+    assert torch.equal(co.apply_rope(x, cos, sin), trained.detach())
