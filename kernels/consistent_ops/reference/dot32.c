@@ -31,6 +31,7 @@ static inline v16 fma16(v16 a, v16 b, v16 c) { v16 r = {_mm512_fmadd_ps(a.v, b.v
 static inline v16 add16(v16 a, v16 b) { v16 r = {_mm512_add_ps(a.v, b.v)}; return r; }
 static inline void store16(float *p, v16 a) { _mm512_storeu_ps(p, a.v); }
 static inline v16 set16(float x) { v16 r = {_mm512_set1_ps(x)}; return r; }
+static inline v16 max16(v16 a, v16 b) { v16 r = {_mm512_max_ps(a.v, b.v)}; return r; }   /* a > b ? a : b */
 #elif defined(__FMA__)
 typedef struct { __m256 lo, hi; } v16;
 static inline v16 zero16(void) { v16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
@@ -42,6 +43,7 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 static inline v16 add16(v16 a, v16 b) { v16 r = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; return r; }
 static inline void store16(float *p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
 static inline v16 set16(float x) { v16 r = {_mm256_set1_ps(x), _mm256_set1_ps(x)}; return r; }
+static inline v16 max16(v16 a, v16 b) { v16 r = {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; return r; }
 #else
 typedef struct { float v[LANES]; } v16;
 static inline v16 zero16(void) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = 0.0f; return r; }
@@ -54,6 +56,7 @@ static inline v16 fma16(v16 a, v16 b, v16 c) {
 static inline v16 add16(v16 a, v16 b) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = a.v[i] + b.v[i]; return r; }
 static inline void store16(float *p, v16 a) { memcpy(p, a.v, sizeof a.v); }
 static inline v16 set16(float x) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = x; return r; }
+static inline v16 max16(v16 a, v16 b) { v16 r; for (int i = 0; i < LANES; i++) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
 #endif
 
 /* The fixed lane tree (header comment); the AVX2 steps are that tree on registers. */
@@ -103,7 +106,15 @@ static void widen32(const char *src, int dt, int64_t n, int64_t s, float *dst) {
         else for (i = 0; i < n; i++) dst[i] = p[i * s];
     } else {
         const uint16_t *p = (const uint16_t *)src;
-        if (s == 1) for (i = 0; i < n; i++) dst[i] = bf16_to_float(p[i]);
+        if (s == 1) {
+            i = 0;
+#if defined(__AVX512F__)
+            for (; i + 16 <= n; i += 16)
+                _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + i))), 16)));
+#endif
+            for (; i < n; i++) dst[i] = bf16_to_float(p[i]);
+        }
         else for (i = 0; i < n; i++) dst[i] = bf16_to_float(p[i * s]);
     }
 }
@@ -336,10 +347,13 @@ int dot32p(const int64_t *shape, const char *A, int ta, const int64_t *sa,
 
 /* The lane sum of x[0..n-1] (plain adds, lane j: n = j, j+16, ... ascending; the tree above). */
 static inline float lane_sum32(const float *x, int64_t n) {
-    float l[LANES] = {0};
-    for (int64_t i = 0; i < n; i++) l[i % LANES] += x[i];
-    v16 v = load16(l);
-    return finish16(v);
+    float l[LANES];
+    v16 acc = zero16();
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) acc = add16(acc, load16(x + i));     /* lane j: x[j], x[j+16], ... in order */
+    store16(l, acc);
+    for (; i < n; i++) l[i % LANES] += x[i];
+    return finish16(load16(l));
 }
 
 /* exp in fp64, rounded to fp32, by one fixed sequence of IEEE operations (the same in the
@@ -496,9 +510,9 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             for (int64_t n = 0; n < nvis; n++) {
                 const int64_t pos = j * KVB + n;
                 const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
-                if (n + PREFETCH < nvis) {
-                    prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
-                    prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
+                if (n + PREFETCH < nvis && ts[pos + PREFETCH] != ts[pos] + PREFETCH * (ts[pos + 1] - ts[pos])) {
+                    prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);   /* a jump (a new page): */
+                    prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);   /* rows in order need none */
                 }
                 if (k_direct) krow[n] = (const uint16_t *)kr;
                 else if (pairs) { copy_bf16((const uint16_t *)kr, D, kvs[1], dq, kb16 + n * dq); krow[n] = kb16 + n * dq; }
@@ -513,11 +527,14 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             } else block32(qb, R, kb, nvis, dp, sbuf, kvp);
             for (int64_t r = 0; r < R; r++) {
                 if (j * KVB > qp[r]) continue;   /* a block this row sees nothing of: an exact no-op (m, l, o kept) */
-                float *sr = sbuf + r * kvp, bm = -INFINITY;
-                for (int64_t n = 0; n < KVB; n++) {
-                    sr[n] = n < nvis && j * KVB + n <= qp[r] ? sr[n] * scale : -INFINITY;
-                    bm = sr[n] > bm ? sr[n] : bm;
-                }
+                float *sr = sbuf + r * kvp, bm = -INFINITY, lm[LANES];
+                const int64_t see = qp[r] - j * KVB + 1 < nvis ? qp[r] - j * KVB + 1 : nvis;   /* keys this row sees */
+                for (int64_t n = 0; n < see; n++) sr[n] = sr[n] * scale;
+                for (int64_t n = see; n < kvp; n++) sr[n] = -INFINITY;
+                v16 mx = set16(-INFINITY);
+                for (int64_t n = 0; n < kvp; n += LANES) mx = max16(load16(sr + n), mx);   /* s > m ? s : m, per lane */
+                store16(lm, mx);
+                for (int i = 0; i < LANES; i++) bm = lm[i] > bm ? lm[i] : bm;
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
                 const float a = exp32_one(mrow[r] - m_new);
                 float *pr = pb + r * kvp;
