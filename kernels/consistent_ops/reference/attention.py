@@ -50,11 +50,8 @@ class _PagedKV:
         if key_cache.stride() != value_cache.stride():
             raise ValueError("attention_paged: key and value caches must share one layout")
         self.k, self.v, self.seq_lens, self.hkv = key_cache, value_cache, seq_lens, key_cache.shape[2]
-        page_size, sp, st = key_cache.shape[1], *key_cache.stride()[:2]
-        pos = torch.arange(walked)
-        # Columns past a sequence's last page repeat it (masked keys; V reads as zero there).
-        page = torch.minimum(pos[None, :] // page_size, (seq_lens[:, None] - 1) // page_size)
-        self.token = torch.gather(table, 1, page) * sp + (pos % page_size) * st            # [S, L]
+        # [S, L]; columns past a sequence's last page repeat it (masked keys; V reads as zero there).
+        self.token = native.paged_tokens(table, seq_lens, walked, key_cache.shape[1], *key_cache.stride()[:2])
 
     def addresses(self):
         return self.k, self.v, self.token, self.k.stride(2), self.k.stride(3), self.seq_lens
@@ -193,6 +190,10 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     """Store this step's K/V before attention reads them (prefill and decode then
     reduce over the same cache). Caches [pages, page_size, Hkv, D]; slot -1 = padding."""
+    if (key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+            and key_cache.stride() == value_cache.stride() and key.shape == value.shape
+            and key.shape[0] == slot_mapping.shape[0] and not recording(key, value)):
+        return native.write_kv(key, value, key_cache, value_cache, slot_mapping)   # the same copies, one call
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     page, pos = slots // key_cache.shape[1], slots % key_cache.shape[1]   # any strides (head-major too)

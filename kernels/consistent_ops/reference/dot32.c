@@ -655,3 +655,46 @@ void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const fl
             }
         }
 }
+
+/* The K/V offsets of a paged cache for attend32/attend64 (any realisation): token[s, pos] =
+ * table[s, page] * sp + (pos % ps) * st, page = min(pos / ps, (seq_len[s] - 1) / ps) (columns past a
+ * sequence's last page repeat it), pos < L; reference/attention.py _PagedKV's torch steps in one
+ * call. Returns 0, or -1 when a page falls outside the table's W columns. */
+int paged_tokens(int64_t S, int64_t W, const int64_t *table, const int64_t *seq_len, int64_t L, int64_t ps,
+                 int64_t sp, int64_t st, int64_t *token) {
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t last = seq_len[s] > 0 ? (seq_len[s] - 1) / ps : 0;
+        for (int64_t pos = 0; pos < L; pos++) {
+            const int64_t page = pos / ps < last ? pos / ps : last;
+            if (page >= W) return -1;
+            token[s * L + pos] = table[s * W + page] * sp + (pos % ps) * st;
+        }
+    }
+    return 0;
+}
+
+/* reference/attention.py write_kv_cache for caches of the new rows' dtype (a copy, exact): rows t
+ * of key/value [T, Hkv, D] (strides ks/vs in elements) to cache slot slots[t] (page slot / ps,
+ * position slot % ps; cache strides cs {page, position, head, dim}, both caches alike); slot < 0 is
+ * padding. Returns 0, or -1 when a slot falls past the cache's pages. */
+int write_kv(int64_t T, int64_t Hkv, int64_t D, int64_t esize, const char *key, const int64_t *ks, const char *value,
+             const int64_t *vs, char *kc, char *vc, const int64_t *cs, const int64_t *slots, int64_t pages, int64_t ps) {
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        const int64_t page = slots[t] / ps, pos = slots[t] % ps;
+        if (page >= pages) return -1;
+        for (int64_t h = 0; h < Hkv; h++) {
+            char *kd = kc + (page * cs[0] + pos * cs[1] + h * cs[2]) * esize, *vd = vc + (page * cs[0] + pos * cs[1] + h * cs[2]) * esize;
+            const char *kr = key + (t * ks[0] + h * ks[1]) * esize, *vr = value + (t * vs[0] + h * vs[1]) * esize;
+            if (cs[3] == 1 && ks[2] == 1 && vs[2] == 1) {
+                memcpy(kd, kr, (size_t)(D * esize));
+                memcpy(vd, vr, (size_t)(D * esize));
+            } else
+                for (int64_t d = 0; d < D; d++) {
+                    memcpy(kd + d * cs[3] * esize, kr + d * ks[2] * esize, (size_t)esize);
+                    memcpy(vd + d * cs[3] * esize, vr + d * vs[2] * esize, (size_t)esize);
+                }
+        }
+    }
+    return 0;
+}

@@ -97,6 +97,10 @@ def library():
             lib.moe_experts32.restype = ctypes.c_int
             lib.rope_rows.argtypes = [i64, i64, i64, ctypes.c_int, p, p, p, p]
             lib.rope_rows.restype = None
+            lib.paged_tokens.argtypes = [i64, i64, p, p, i64, i64, i64, i64, p]
+            lib.paged_tokens.restype = ctypes.c_int
+            lib.write_kv.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p, p, i64, i64]
+            lib.write_kv.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -294,3 +298,25 @@ def apply_rope(x, cos, sin):
     library().rope_rows(x.shape[0], x.shape[1], x.shape[2], DTYPES[x.dtype], x.data_ptr(), cos.data_ptr(),
                         sin.data_ptr(), out.data_ptr())
     return out
+
+
+def paged_tokens(table, seq_lens, walked, page_size, page_stride, slot_stride):
+    """[S, walked] K/V offsets into a paged cache (dot32.c paged_tokens): table[s, page] *
+    page_stride + (pos % page_size) * slot_stride, the page clamped to the sequence's last."""
+    table, seq_lens = table.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+    token = torch.empty(table.shape[0], walked, dtype=torch.int64)
+    if library().paged_tokens(table.shape[0], table.shape[1], table.data_ptr(), seq_lens.data_ptr(), walked, page_size,
+                              page_stride, slot_stride, token.data_ptr()):
+        raise IndexError(f"attention_paged: a position below seq_len falls past the block table's {table.shape[1]} pages")
+    return token
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping):
+    """reference/attention.py write_kv_cache (caches [pages, page_size, Hkv, D] of key's dtype,
+    one layout for both) in one call (dot32.c write_kv): the same copies."""
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if library().write_kv(key.shape[0], key.shape[1], key.shape[2], key.element_size(), key.data_ptr(),
+                          _int64s(key.stride()), value.data_ptr(), _int64s(value.stride()), key_cache.data_ptr(),
+                          value_cache.data_ptr(), _int64s(key_cache.stride()), slots.data_ptr(), key_cache.shape[0],
+                          key_cache.shape[1]):
+        raise IndexError(f"write_kv_cache: a slot falls past the cache's {key_cache.shape[0]} pages")
