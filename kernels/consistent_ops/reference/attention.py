@@ -192,6 +192,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     reduce over the same cache). Caches [pages, page_size, Hkv, D]; slot -1 = padding."""
     if (key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
             and key_cache.stride() == value_cache.stride() and key.shape == value.shape
+            and key.shape[1:] == key_cache.shape[2:]             # (the torch write below also broadcasts)
             and key.shape[0] == slot_mapping.shape[0] and not recording(key, value)):
         return native.write_kv(key, value, key_cache, value_cache, slot_mapping)   # the same copies, one call
     keep = slot_mapping >= 0
