@@ -172,6 +172,13 @@ def _matmul(a, b, rows, kernel):
     if kernel != "64" and torch.float64 in (a.dtype, b.dtype):
         raise TypeError("dot32_matmul: fp64 operands would be rounded; use dot64_matmul (or matmul)")
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if rows is None and a.dim() == 2 and b.dim() == 2:    # a plain x @ w.T (most calls): the general path's
+        out = torch.empty(m, n, dtype=torch.float32)      # arguments, built without its broadcasting steps
+        if out.numel() and getattr(library(), "dot" + kernel)(
+                _int64s((1, 1, 1, m, n, k)), a.data_ptr(), DTYPES[a.dtype], _int64s((0, 0, 0, *a.stride())), b.data_ptr(),
+                DTYPES[b.dtype], _int64s((0, 0, 0, b.stride(1), b.stride(0))), None, out.data_ptr()):
+            raise MemoryError(f"consistent_ops dot{kernel}: out of memory for its row buffers")
+        return out
     if rows is None and b.dim() == 2 and a.dim() > 2:   # a shared matrix: fold a's batch into M
         return _matmul(a.reshape(-1, k), b, None, kernel).reshape(*a.shape[:-1], n)
     batch = a.shape[:-2] if a.shape[:-2] == b.shape[:-2] else torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
