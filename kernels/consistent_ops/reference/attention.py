@@ -217,9 +217,12 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     width = max(lens)
     seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
     qp = _pad_rows(q, starts, lens, width)
-    n_new = torch.tensor(lens, device=q.device)
-    qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
-    qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
+    if min(lens) == width:      # e.g. decode: positions seq_len - width .. seq_len - 1, none past the end
+        qpos = (seq_lens - width)[:, None] + torch.arange(width, device=q.device)[None, :]
+    else:
+        n_new = torch.tensor(lens, device=q.device)
+        qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
+        qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
     table = block_table.to(device=q.device, dtype=torch.long)
     walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
     if q.device.type == "cpu" and key_cache.dtype in native.DTYPES:
