@@ -14,8 +14,8 @@ output tokens/s and the time to finish the batch (medians over repeats), and plu
 
     python3 benchmarks/bench_vllm_gpu.py --model DIR [--json out.json]
     python3 benchmarks/bench_vllm_gpu.py --model DIR --max-response 16384 --prompts 16
-    python3 benchmarks/bench_vllm_gpu.py --model DIR --profile   # top CUDA kernels of each engine
-                                                                 # over a short decode-heavy batch
+    python3 benchmarks/bench_vllm_gpu.py --model DIR --profile   # each engine's CUDA kernels, wall
+                         # time and launches over the whole batch (128 tokens) and a tail (8 x 512)
 """
 import argparse
 import json
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 ENGINES = ("stock", "plugin")
+PROFILE_TAIL = (8, 512)    # --profile's second batch: the rollout's tail, few sequences decoding long
 
 
 def parse_args(argv=None):
@@ -42,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--profile", action="store_true", help="instead of timing: each engine's top CUDA "
-                   "kernels (torch profiler, engine in-process) over --prompts x --n requests of 128 tokens")
+                   "kernels, wall time and launches (torch profiler, engine in-process) over --prompts x --n "
+                   "requests of 128 tokens, then over a tail of 8 of them generating 512 tokens")
     p.add_argument("--json")
     p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -103,7 +105,8 @@ def run_child(args):
         work = [(p, 128) for p, _ in workload(args, vocab)]
     else:
         work = workload(args, vocab)
-    llm = build_llm(args, args.child, max(len(p) + n for p, n in work) + 16)
+    longest = max(len(p) + max(n, PROFILE_TAIL[1] if args.profile else 0) for p, n in work)
+    llm = build_llm(args, args.child, longest + 16)
     start_s = time.perf_counter() - t0
     # warm-up: every request for 32 tokens, so Triton compiles and autotunes what the batch's
     # shapes need (decode at every batch size down from the whole batch) before the clock runs
@@ -111,6 +114,7 @@ def run_child(args):
     result = {"engine": args.child, "engine_start_s": start_s, "seconds": [], "tokens": 0}
     if args.profile:
         result["kernels"] = profile(llm, args.child, work)
+        result["tail"] = profile(llm, args.child, [(p, PROFILE_TAIL[1]) for p, _ in work[:PROFILE_TAIL[0]]])
     for _ in range(0 if args.profile else args.repeats):
         llm.reset_prefix_cache()
         t = time.perf_counter()
@@ -120,15 +124,25 @@ def run_child(args):
 
 
 def profile(llm, engine, work, rows=20):
-    """The top CUDA kernels by total time over one generate (the engine runs in this process)."""
+    """One generate under the torch profiler (the engine runs in this process): the top CUDA
+    kernels by time, the wall time, and the host's launches. Kernel time well below the wall
+    time means host-bound steps; graph launches say whether the steps replayed CUDA graphs."""
+    import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
     llm.reset_prefix_cache()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
         generate(llm, engine, work)
-    stats = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in stats)
-    return {"total_ms": total / 1e3, "top": [
-        {"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in stats[:rows]]}
+        wall_ms = (time.perf_counter() - t) * 1e3
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.self_device_time_total, reverse=True)
+    launches = {name: sum(e.count for e in events if e.key == name)
+                for name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")}
+    return {"requests": len(work), "tokens": sum(n for _, n in work), "wall_ms": wall_ms,
+            "total_ms": sum(e.self_device_time_total for e in kernels) / 1e3, "launches": launches,
+            "top": [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+                    for e in kernels[:rows]]}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -167,9 +181,13 @@ def main(argv=None):
         r = results[engine] = run_engine(args, engine)
         r["wall_s"] = time.time() - t
         if args.profile:
-            print(f"\n[{engine}] CUDA kernel time {r['kernels']['total_ms']:.1f} ms; top kernels:")
-            for k in r["kernels"]["top"]:
-                print(f"  {k['ms']:9.2f} ms {k['calls']:7d}x  {k['kernel']}")
+            for part in ("kernels", "tail"):
+                k = r[part]
+                print(f"\n[{engine}] {k['requests']} requests x {k['tokens'] // k['requests']} tokens: wall "
+                      f"{k['wall_ms']:.1f} ms, CUDA kernel time {k['total_ms']:.1f} ms "
+                      f"({k['total_ms'] / k['wall_ms']:.0%}); host launches {k['launches']}; top kernels:")
+                for row in k["top"]:
+                    print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['kernel']}")
             continue
         r["batch_s"] = statistics.median(r["seconds"])
         r["tokens_per_s"] = r["tokens"] / r["batch_s"]

@@ -300,7 +300,7 @@ def test_verl_preflight_and_vllm_admission_agree(settings):
 
 def _processor():
     proc = object.__new__(sampling.ContractLogProbs)
-    proc.vocab_limit, proc.temperature, proc.truncation, proc.seeded = 90, {}, {}, {}
+    proc.vocab_limit, proc.temperature, proc.truncation, proc.seeded, proc.rows = 90, {}, {}, {}, None
     return proc
 
 
@@ -320,6 +320,12 @@ def test_v1_processor_rows_are_the_contract_logprobs_after_moves():
         assert torch.equal(out[row, 5:6], co.token_logprobs(logits[row:row + 1], tok, t, vocab_limit=90))
     assert torch.isneginf(out[:, 90:]).all()
     assert math.isclose(float(torch.logsumexp(out[0], 0)), 0.0, abs_tol=1e-5)
+    # a step without batch changes reuses the row tensors; a move builds them again
+    kept = proc.rows
+    proc.update_state(None)
+    assert proc.rows is kept and torch.equal(proc.apply(logits.clone()), out)
+    proc.update_state(BatchUpdate(3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
+    assert torch.equal(proc.apply(logits.clone())[2], co.log_softmax(logits[2:3], 1.0, 90)[0])
 
 
 def _processor_v2(monkeypatch, slots=4):

@@ -103,6 +103,23 @@ def test_decode_equals_train(qkv, train):
     assert_rows_equal({r: got[r] for r in decoded}, train)
 
 
+def test_dummy_metadata_reads_inside_the_table_and_cache():
+    """vLLM's capture and memory-profiling dummies (max_model_len not a multiple of the page
+    size: the engine crashed with an illegal memory access) give sequences longer than a
+    table row and empty or stale tables, on a cache of few pages: the kernel reads inside
+    the table and the cache, and a real request beside them keeps its bits."""
+    page, pages, width = 16, 8, 3                  # rows hold 48 keys; the cache 128
+    q, k, v = rand(4 + 100, HQ, D, seed=7), rand(pages, page, HKV, D, seed=8), rand(pages, page, HKV, D, seed=9)
+    real = torch.tensor([[5, 2, 7]], dtype=torch.int32, device=DEV)
+    one = co.attention_paged(q[:4], k, v, real, torch.tensor([40], dtype=torch.int32, device=DEV),
+                             torch.tensor([0, 4], dtype=torch.int32, device=DEV))
+    table = torch.cat([real, torch.tensor([[-1, 10**6, 3]], dtype=torch.int32, device=DEV)])
+    both = co.attention_paged(q, k, v, table, torch.tensor([40, 1664], dtype=torch.int32, device=DEV),
+                              torch.tensor([0, 4, 104], dtype=torch.int32, device=DEV))
+    torch.cuda.synchronize()
+    assert torch.equal(both[:4], one) and torch.isfinite(both[4:]).all()
+
+
 def test_stock_sdpa_prefill_and_decode_differ():
     """Non-vacuous: SDPA over the whole sequence vs SDPA for one new token against its
     prefix (what an HF-style decode does) give different bits."""

@@ -73,26 +73,31 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE: tl.constexpr, PAGED: tl.constexpr):
+def _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, PAGE: tl.constexpr,
+              PAGED: tl.constexpr):
     """Storage row of key positions kpos. Positions past the sequence are clamped to
-    its last key (always written, so finite); the mask excludes them later."""
-    kpos = tl.minimum(kpos, seq_len - 1)
+    its last key (always written, so finite); the mask excludes them later. Paged: the
+    table column and the page id are clamped into the table and the cache, so metadata
+    that no real step has (vLLM's capture and memory-profiling dummies: empty or stale
+    tables, sequences longer than a table row) reads inside them; real steps never clamp."""
+    kpos = tl.maximum(tl.minimum(kpos, seq_len - 1), 0)
     if PAGED:
-        page = tl.load(Table + seq * stride_tab + kpos // PAGE)
+        page = tl.load(Table + seq * stride_tab + tl.minimum(kpos // PAGE, tab_cols - 1))
+        page = tl.minimum(tl.maximum(page, 0), pages - 1)
         return page.to(tl.int64) * PAGE + kpos % PAGE
     else:
         return row0 + kpos.to(tl.int64)
 
 
 @triton.jit
-def _block_rows(kpos, seq, seq_len, row0, first, col, Table, stride_tab, PAGE: tl.constexpr,
+def _block_rows(kpos, seq, seq_len, row0, first, col, Table, stride_tab, tab_cols, pages, PAGE: tl.constexpr,
                 PAGED: tl.constexpr, TMA: tl.constexpr):
     """Where a key block lies: its storage rows (_key_rows), or for bulk copies of packed
     K/V the (row, column) of its first element (rows past the sequence are masked later)."""
     if TMA:
         return (row0 + first).to(tl.int32), col
     else:
-        return _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, PAGE, PAGED)
+        return _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, PAGE, PAGED)
 
 
 @triton.jit
@@ -120,8 +125,8 @@ def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_
 
 @triton.jit
 def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
-                 Table, stride_tab, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
-                 PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
+                 Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr,
+                 KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
     """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
     lie in [first_pos, last_pos]. Returns the unnormalised acc, the row max m and sum l."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -132,12 +137,14 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
     n_blocks = last_pos // KV + 1       # later blocks are invisible to every row of the tile
     for j in range(0, n_full):
         kpos = j * KV + offs
-        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, PAGE, PAGED, TMA)
+        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
+                           PAGE, PAGED, TMA)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
                                   qk_scale, D, False, TMA)
     for j in range(n_full, n_blocks):
         kpos = j * KV + offs
-        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, PAGE, PAGED, TMA)
+        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
+                           PAGE, PAGED, TMA)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
                                   qk_scale, D, True, TMA)
     return acc, m, l
@@ -183,7 +190,7 @@ def _flat_tile(p, Starts, S, UNIT: tl.constexpr, SB: tl.constexpr):
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
                      stride_qt, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
-                     stride_ot, stride_oh, stride_tab, qk_scale,
+                     stride_ot, stride_oh, stride_tab, tab_cols, pages, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
                      SB: tl.constexpr, TMA: tl.constexpr):
@@ -215,7 +222,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
     else:
         Kh, Vh = K + kvh * stride_kh, V + kvh * stride_vh
     acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
-                             stride_k, stride_v, Table, stride_tab, qk_scale, kvh * D, ROWS, D, KV,
+                             stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS, D, KV,
                              PAGE, PAGED, TMA)
     # 4. out = acc / l (IEEE division), rounded to the input dtype
     out = tl.div_rn(acc, l[:, None])
@@ -487,7 +494,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     _attn_fwd_kernel[(programs, k.shape[-2])](
         q, ka, va, o, lse if lse is not None else o, q_start, seq_lens if paged else q_start, tab, s,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
-        tab.stride(0) if paged else 0, scale * _LOG2E,
+        tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, num_warps=warps, num_stages=stages, **EXACT)
     return o

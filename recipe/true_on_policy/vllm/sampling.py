@@ -158,6 +158,7 @@ class ContractLogProbs(LogitsProcessor):
         self.temperature: dict[int, float] = {}   # persistent-batch index -> T
         self.truncation: dict[int, tuple] = {}    # persistent-batch index -> (top_k, top_p, min_p)
         self.seeded: dict[int, tuple] = {}        # persistent-batch index -> (key, prompt length, output ids)
+        self.rows = None                          # (rows, T, cut) on the device while the batch is unchanged
 
     def is_argmax_invariant(self) -> bool:
         return False
@@ -168,12 +169,19 @@ class ContractLogProbs(LogitsProcessor):
         process_dict_updates(self.truncation, batch_update, lambda p, _prompt, _out: rollout_truncation(p))
         process_dict_updates(self.seeded, batch_update, lambda p, prompt, out: None if rollout_seed_key(p) is None
                              else (rollout_seed_key(p), len(prompt or ()), out))   # out: vLLM's live list
+        if batch_update is not None:
+            self.rows = None
+
+    def row_settings(self, n: int, device) -> tuple:
+        """Per-row T and truncation tensors, built again only when the batch changed: a decode
+        step of an unchanged batch runs no Python over its rows and copies nothing to the device."""
+        if self.rows is None or self.rows[0] != n:
+            t = torch.tensor([self.temperature.get(i, 1.0) for i in range(n)], dtype=torch.float32, device=device)
+            self.rows = (n, t, truncation_columns([self.truncation.get(i, truncation.OFF) for i in range(n)], device))
+        return self.rows[1:]
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        t = torch.tensor([self.temperature.get(i, 1.0) for i in range(logits.shape[0])],
-                         dtype=torch.float32, device=logits.device)
-        cut = truncation_columns([self.truncation.get(i, truncation.OFF) for i in range(logits.shape[0])],
-                                 logits.device)
+        t, cut = self.row_settings(logits.shape[0], logits.device)
         logp = contract_logprobs(logits, t, self.vocab_limit, cut)
         if not self.seeded:
             return logp
