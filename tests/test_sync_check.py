@@ -84,3 +84,20 @@ def test_experts_synced_by_either_name(layout):
     gone = [(n, t) for n, t in sent if not n.startswith("model.layers.1.mlp.experts.")]
     with pytest.raises(sync_check.WeightSyncMismatch, match="held by the rollout but not synced.*layers.1.mlp.experts"):
         list(sync_check.Receiver().filter(trainer_stream(gone), held, covers))
+
+
+def test_digest_sees_a_flipped_bit_and_a_moved_word():
+    """Integer sums of 16-bit words, plain and position-weighted: a one-bit change, two words
+    swapped, a dtype or shape change and an odd trailing byte all change the digest."""
+    x = torch.randn(3, 1001).bfloat16()
+    flipped = x.clone()
+    flipped.view(torch.int16)[1, 7] ^= 1
+    swapped = x.clone()
+    swapped[0, :2] = x[0, :2].flip(0)
+    odd = torch.arange(7, dtype=torch.uint8)
+    other = odd.clone()
+    other[-1] += 1
+    d = sync_check.digest
+    assert d(x) == d(x.clone()) and d(x) == d(x.t().contiguous().t())
+    assert len({d(x), d(flipped), d(swapped), d(x.view(torch.int16)), d(x.reshape(1001, 3))}) == 5
+    assert d(odd) != d(other) and d(torch.empty(0)) == "torch.float32(0,):0:0:"

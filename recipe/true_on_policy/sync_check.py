@@ -6,10 +6,9 @@ items that open and close the stream (``SYNC_START``, then ``SYNC_ITEM`` carryin
 the rollout side digests what it receives in between, and on the closing item compares the
 two tables and checks that the sync covered every parameter it holds. Any difference stops
 the sync with the names that differ, so a rollout never samples from weights the trainer
-does not have. Off by default: hashing every tensor costs a copy to host. The trainer's side lives in
+does not have. Off by default: digesting every tensor reads it once more. The trainer's side lives in
 the verl adapter (verl/weight_sync.py); this module imports no host.
 """
-import hashlib
 import json
 import logging
 import os
@@ -29,11 +28,24 @@ def enabled() -> bool:
     return os.environ.get(ENV) == "1"
 
 
+_WORDS = 1 << 24       # 16-bit words summed at a time: no int64 overflow (|word * weight| < 2^31)
+
+
 def digest(tensor: torch.Tensor) -> str:
-    t = tensor.detach().contiguous().cpu()
-    h = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:32]
+    """dtype, shape and two sums of the bytes read as 16-bit words, plain and weighted by
+    position (so a moved word counts too), computed where the tensor lives: integer sums are
+    exact in any order, so trainer and rollout agree on any device, and the 10 GB of an 8-layer
+    Qwen3-30B-A3B sync are digested on the GPU in well under a second (a host copy and sha256 took
+    ~30 s a side on the H200)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    odd = raw.numel() % 2
+    words = raw[:raw.numel() - odd].view(torch.int16)
+    plain = weighted = 0
+    for start in range(0, words.numel(), _WORDS):
+        w = words[start:start + _WORDS].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=w.device) % 65521 + 1
+        plain, weighted = plain + int(w.sum()), weighted + int((w * pos).sum())
+    return f"{tensor.dtype}{tuple(tensor.shape)}:{plain}:{weighted}:{int(raw[-1]) if odd else ''}"
 
 
 def encode(table: dict) -> torch.Tensor:
