@@ -8,13 +8,14 @@
 #   check   python -m true_on_policy.check with CUDA graphs and prefix caching: T=0.7, then top-p 0.9
 #           / top-k 20 (both must be exact), then --stock (the gap without the plugin, recorded)
 #   bench   benchmarks/bench_vllm_gpu.py: an RL-shaped rollout, stock vLLM vs the plugin
+#   long    the same with long responses: 8 prompts x n=8, up to 16,384 tokens (estimated ~7 min)
 #   profile benchmarks/bench_vllm_gpu.py --profile: each engine's top CUDA kernels
 # Exit status: non-zero if a step failed or a plugin check found a difference.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=() out=${OUT:-outputs/gpu_vllm}
-for a in "$@"; do case $a in model|check|bench|profile) steps+=("$a") ;; *) out=$a ;; esac; done
-[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|profile ... [OUTDIR]" >&2; exit 2; }
+for a in "$@"; do case $a in model|check|bench|long|profile) steps+=("$a") ;; *) out=$a ;; esac; done
+[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|long|profile ... [OUTDIR]" >&2; exit 2; }
 mkdir -p "$out"
 if [ -f /tmp/h200_env.sh ]; then . /tmp/h200_env.sh; else export PYTHONPATH="recipe:kernels" PYTHONUNBUFFERED=1; fi
 model=${GPU_VLLM_MODEL:-/tmp/qwen3_30b_a3b_l${GPU_VLLM_LAYERS:-8}}
@@ -47,6 +48,9 @@ for step in "${steps[@]}"; do
             2>&1 | tee "$out/check_stock.log" ;;
     bench)
         run bench python3 benchmarks/bench_vllm_gpu.py --model "$model" --json "$out/bench.json" ;;
+    long)
+        run long python3 benchmarks/bench_vllm_gpu.py --model "$model" --prompts 8 --max-response 16384 \
+            --json "$out/long.json" ;;
     profile)
         run profile python3 benchmarks/bench_vllm_gpu.py --model "$model" --profile --json "$out/profile.json" ;;
     esac
