@@ -500,3 +500,17 @@ def test_full_graphs_are_capped_at_max_model_len():
     for unchanged in (config(4096), config(512, max_size=None), config(512, mode="FULL_AND_PIECEWISE"),
                       config(512, mode=None), config(512, eager=True)):
         assert unchanged[0] in (2048, None) and unchanged[1] is None, unchanged
+
+
+def test_logits_warm_up_runs_every_batch_size_first():
+    """The first compute_logits (vLLM's sampler warm-up) runs rows 1..n and the contract's
+    log-probs for one and many rows and both vocab-limit kinds, so Triton compiles there."""
+    from true_on_policy.vllm.model import warm_logits
+    seen = []
+
+    def compute(h):
+        seen.append(h.shape[0])
+        return torch.randn(h.shape[0], 40)
+    warm_logits(compute, torch.zeros(5, 8))
+    warm_logits(compute, torch.zeros(0, 8))
+    assert seen == [1, 2, 3, 4, 5]

@@ -22,7 +22,7 @@ import logging
 import torch
 
 import consistent_ops as co
-from consistent_ops.contract import attention_scale
+from consistent_ops.contract import TILED_BACKENDS, attention_scale
 from true_on_policy import sync_check
 from true_on_policy.models import CausalLM, ModelConfig, TensorParallel
 from true_on_policy.models.causal_lm import LM_HEAD, sync_names
@@ -63,6 +63,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
                 attn_backend=ConsistentAttentionBackend)
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
+        self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
         log.info("true_on_policy: %s TP %d/%d, consistent_ops %s", cfg.arch, tp.rank, tp.size,
                  self.contract_fingerprint)
 
@@ -91,5 +92,25 @@ class TrueOnPolicyForCausalLM(CausalLM):
         return self.model(input_ids, positions, self._attend, hidden=inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 logits, identical on every TP rank (each rank runs the sampler)."""
+        """fp32 logits, identical on every TP rank (each rank runs the sampler). The first call
+        (vLLM's sampler warm-up, before it serves) warms every batch size up to its own first."""
+        if not self.logits_warm:
+            self.logits_warm = True
+            warm_logits(super().compute_logits, hidden_states)
         return super().compute_logits(hidden_states)
+
+
+def warm_logits(compute_logits, hidden_states):
+    """Run the logits and the contract's log-probs at every batch size up to hidden_states'
+    rows, so that Triton compiles each kernel variant they take (tile configs chosen by rows,
+    rows % 16, one row or many temperatures, vocab limits % 16) now: they run outside vLLM's
+    CUDA graphs, and on the H200 their compiles otherwise landed mid-rollout (vLLM's JIT monitor:
+    `_gemm_kernel`, `_log_softmax_kernel`), as the batch shrank through new sizes."""
+    if hidden_states.shape[0] == 0:
+        return
+    with torch.no_grad():
+        for m in range(1, hidden_states.shape[0] + 1):
+            logits = compute_logits(hidden_states[:m])
+        for rows in (1, hidden_states.shape[0]):
+            for vocab_limit in (logits.shape[-1], logits.shape[-1] - 1):
+                co.log_softmax(logits[:rows], torch.ones(rows, device=logits.device), vocab_limit)
