@@ -170,3 +170,29 @@ def test_trainer_and_rollout_paths_agree(name, monkeypatch):
     rec = fwd(x.clone().requires_grad_(), q.clone().requires_grad_())
     assert all(r.requires_grad and torch.equal(f, r.detach()) for f, r in zip(fast, rec))
     sum(r.float().sum() for r in rec).backward()
+
+
+def test_threads_split_whole_outputs():
+    """dot32.c runs large contractions, attention and the MoE experts on OpenMP's threads (torch's
+    count): each output computed whole by one thread, so 1, 2 or 3 threads give the same bits."""
+    a32, w32 = _x(64, 512, seed=9, dtype=torch.float32), _x(300, 512, seed=10, dtype=torch.float32)
+    a16, w16 = a32.bfloat16(), w32.bfloat16()
+    q, k, v = (_x(600, h, 64, seed=s) for h, s in ((4, 11), (2, 12), (2, 13)))
+    cu = torch.tensor([0, 250, 600])
+    x, ids = _x(128, 256, seed=14), torch.randint(0, 8, (128, 2), generator=torch.Generator().manual_seed(15))
+    stack = co.ExpertStack(0.1 * _x(8, 256, 256, seed=16), 0.1 * _x(8, 256, 128, seed=17), list(range(8)))
+    weights = torch.rand(128, 2, generator=torch.Generator().manual_seed(18))
+
+    def run():
+        with torch.inference_mode():
+            return [native.dot32_matmul(a32, w32.t()), native.dot32p_matmul(a16, w16.t()),
+                    co.attention_varlen(q, k, v, cu), co.moe_expert_contributions(x, ids, weights, stack)[0]]
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(run())
+    finally:
+        torch.set_num_threads(old)
+    assert all(torch.equal(r, o) for out in outs[1:] for r, o in zip(outs[0], out))

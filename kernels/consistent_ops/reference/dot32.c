@@ -8,9 +8,10 @@
  * t_i = l_i + l_{i+8} (i < 8), u_i = t_i + t_{i+4} (i < 4), w_i = u_i + u_{i+2} (i < 2), w_0 + w_1.
  * FMA is one correctly rounded operation, so an AVX-512 register, two AVX2 registers or a
  * scalar fmaf loop give the same bits; every output is computed from its own row and column
- * alone (register blocks share loads, never sums), on one thread, so it never depends on M,
- * N, the batch, the strides, the ISA or the thread count. Built with -ffp-contract=off:
- * every other multiply and add is a separate IEEE operation.
+ * alone (register blocks share loads, never sums), by one thread (large calls split whole
+ * outputs over threads: share), so it never depends on M, N, the batch, the strides, the ISA or
+ * the thread count. Built with -ffp-contract=off: every other multiply and add is a separate
+ * IEEE operation.
  */
 #include "native.h"
 #if defined(__AVX512F__) || defined(__FMA__)
@@ -21,6 +22,19 @@ enum { LANES = 16 };
 enum { BFULL_FLOATS = 1 << 20 };  /* B widened whole up to 4 MiB */
 enum { BBUF_FLOATS = 65536 };     /* else blocks of B rows: 256 KiB (L2) */
 enum { ABUF_FLOATS = 4096 };      /* A rows widened at a time: 16 KiB (L1) */
+enum { PAR_WORK = 1 << 19 };       /* multiply-adds below which one thread runs (a region costs ~us) */
+
+/* The threads for `work` multiply-adds: OpenMP's count (torch's, as torch loads the same
+ * libgomp.so.1: torch.set_num_threads and vLLM's core binding set it), one for small work. */
+static int threads_for(double work) { return work < PAR_WORK ? 1 : omp_get_max_threads(); }
+
+/* The calling thread's share [lo, hi) of n items cut in whole groups of g, in order. */
+static void share(int64_t n, int64_t g, int64_t *lo, int64_t *hi) {
+    const int64_t groups = (n + g - 1) / g, t = omp_get_thread_num(), nt = omp_get_num_threads();
+    *lo = groups * t / nt * g;
+    *hi = groups * (t + 1) / nt * g;
+    *hi = *hi < n ? *hi : n;
+}
 
 /* 16 fp32 lanes and the three operations the order uses. */
 #if defined(__AVX512F__)
@@ -286,12 +300,16 @@ static int dot_pairs(const int64_t *shape, const char *A, const int64_t *sa, con
             }
             for (int64_t m0 = 0; m0 < rows; m0 += mb) {
                 const int64_t mr = rows - m0 < mb ? rows - m0 : mb;
-                if (a_direct) {
-                    block_pairs(Ab + m0 * sa[3], sa[3], mr, brow, nr, kp, ob + m0 * N + n0, N);
-                    continue;
+                if (!a_direct)
+                    for (int64_t i = 0; i < mr; i++) copy_bf16(Ab + (m0 + i) * sa[3], K, sa[4], kp, abuf + i * kp);
+                const uint16_t *ab = a_direct ? Ab + m0 * sa[3] : abuf;
+                const int nt = threads_for((double)mr * nr * kp);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+                {
+                    int64_t lo, hi;
+                    share(nr, PAIR_COLS, &lo, &hi);               /* whole register blocks of columns */
+                    if (hi > lo) block_pairs(ab, a_direct ? sa[3] : kp, mr, brow + lo, hi - lo, kp, ob + m0 * N + n0 + lo, N);
                 }
-                for (int64_t i = 0; i < mr; i++) copy_bf16(Ab + (m0 + i) * sa[3], K, sa[4], kp, abuf + i * kp);
-                block_pairs(abuf, kp, mr, brow, nr, kp, ob + m0 * N + n0, N);
             }
         }
     }
@@ -331,7 +349,13 @@ int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
                     widen32(Ab + (m0 + i) * sa[3] * ea, ta, K, sa[4], abuf + i * kp);
                     memset(abuf + i * kp + K, 0, (size_t)(kp - K) * sizeof(float));
                 }
-                block32(abuf, mr, bbuf, nr, kp, ob + m0 * N + n0, N);
+                const int nt = threads_for((double)mr * nr * kp);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+                {
+                    int64_t lo, hi;
+                    share(nr, 3, &lo, &hi);                       /* whole register blocks of columns */
+                    if (hi > lo) block32(abuf, mr, bbuf + lo * kp, hi - lo, kp, ob + m0 * N + n0 + lo, N);
+                }
             }
         }
     }
@@ -478,19 +502,33 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     const int k_direct = pairs && kvs[1] == 1 && dq == D;       /* K rows read in place from the cache */
     const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 2 * R + 64)
                         + (pairs ? (size_t)((R + nq) * dq / 2 + nq * 2 + 16) : 0);
+    const int nt = threads_for((double)S * H * R * L * D);
+    int fail = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : fail)
+    {   /* each thread its (s, h) share, with its own buffers */
     float *buf = scratch_bytes(need * sizeof(float));
-    if (!buf) return -1;
+    int64_t lo, hi;
+    share(S * H, 1, &lo, &hi);
+    fail = !buf;
+    if (!buf) hi = lo;
     float *qb = buf, *kb = qb + R * dp, *vb = kb + npad * dp, *pb = vb + kvp * dp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
-    memset(kb, 0, (size_t)(npad * dp + kvp * dp + R * kvp) * sizeof(float));   /* pads stay 0 */
+    if (buf) memset(kb, 0, (size_t)(npad * dp + kvp * dp + R * kvp) * sizeof(float));   /* pads stay 0 */
     const uint16_t **krow = (const uint16_t **)(((uintptr_t)(lrow + R) + 63) & ~(uintptr_t)63);
     uint16_t *qb16 = (uint16_t *)(krow + nq), *kb16 = qb16 + R * dq;
-    for (int64_t s = 0; s < S; s++)
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t sh = lo; sh < hi; sh++) {
+        const int64_t s = sh / H, h = sh % H;
         const int64_t *ts = tok + s * L;
         const int64_t *qp = qpos + s * R;
         const int64_t slen = seq_len[s];
         float *o = out + (s * H + h) * R * D;
+        if (sh + 1 < hi) {               /* the next (s, h)'s first rows, whose loads would stall */
+            const int64_t s1 = (sh + 1) / H, h1 = (sh + 1) % H;
+            for (int64_t n = 0; n < PREFETCH && n < L; n++) {
+                prefetch(K + (tok[s1 * L + n] + h1 * kvs[0]) * ekv, D * ekv);
+                prefetch(V + (tok[s1 * L + n] + h1 * kvs[0]) * ekv, D * ekv);
+            }
+        }
         for (int64_t r = 0; r < R; r++) {
             const char *qr = Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq;
             if (pairs) copy_bf16((const uint16_t *)qr, D, 1, dq, qb16 + r * dq);
@@ -510,9 +548,9 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             for (int64_t n = 0; n < nvis; n++) {
                 const int64_t pos = j * KVB + n;
                 const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
-                if (n + PREFETCH < nvis && ts[pos + PREFETCH] != ts[pos] + PREFETCH * (ts[pos + 1] - ts[pos])) {
-                    prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);   /* a jump (a new page): */
-                    prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);   /* rows in order need none */
+                if (n + PREFETCH < nvis) {   /* every row: the cache's rows are rarely in L2 between steps */
+                    prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
+                    prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
                 }
                 if (k_direct) krow[n] = (const uint16_t *)kr;
                 else if (pairs) { copy_bf16((const uint16_t *)kr, D, kvs[1], dq, kb16 + n * dq); krow[n] = kb16 + n * dq; }
@@ -550,7 +588,8 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
         for (int64_t r = 0; r < R; r++)
             for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lrow[r];
     }
-    return 0;
+    }
+    return fail ? -1 : 0;
 }
 
 int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
@@ -609,18 +648,25 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
         start[le + 1] += start[le];
     }
     int64_t *fill = malloc((size_t)(ne + 1) * sizeof(int64_t));
-    char *xa = malloc((size_t)(most * H * e + 64)), *gd = malloc((size_t)(most * 2 * I * e + 64));
-    char *h = malloc((size_t)(most * I * e + 64));
-    float *g = malloc((size_t)(most * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
-    int rc = !(start && list && fill && xa && gd && h && g) ? -1 : 0;
+    int rc = !(start && list && fill) ? -1 : 0;
     if (!rc) {
         memcpy(fill, start, (size_t)(ne + 1) * sizeof(int64_t));
         for (int64_t p = 0; p < TK; p++)
             if (owned[p]) list[fill[ids[p] - e0]++] = p;              /* ascending p within each expert */
     }
+    const int nt = threads_for((double)TK * 3 * I * H);
+    if (!rc)
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : rc)
+    {   /* each thread the experts whose first pair falls in its share of the pairs, with its own buffers */
+    char *xa = malloc((size_t)(most * H * e + 64)), *gd = malloc((size_t)(most * 2 * I * e + 64));
+    char *h = malloc((size_t)(most * I * e + 64));
+    float *g = malloc((size_t)(most * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
+    int64_t lo, hi;
+    share(TK, 1, &lo, &hi);
+    rc |= !(xa && gd && h && g) ? -1 : 0;
     for (int64_t le = 0; le < ne && !rc; le++) {
         const int64_t n = start[le + 1] - start[le], *pl = list + start[le];
-        if (!n) continue;
+        if (!n || start[le] < lo || start[le] >= hi) continue;
         for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
         const int64_t shape1[6] = {1, 1, 1, n, 2 * I, H}, sa1[5] = {0, 0, 0, H, 1}, sb1[5] = {0, 0, 0, sgu[1], sgu[2]};
         rc = dot(shape1, xa, dt, sa1, gu + le * sgu[0] * e, dt, sb1, NULL, g);
@@ -633,7 +679,9 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
         for (int64_t i = 0; i < n && !rc; i++)
             for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = g[i * H + c] * wts[pl[i]];
     }
-    free(start); free(list); free(fill); free(xa); free(gd); free(h); free(g);
+    free(xa); free(gd); free(h); free(g);
+    }
+    free(start); free(list); free(fill);
     return rc;
 }
 

@@ -7,7 +7,8 @@ take the fp64 kernel (their products are exact only there). The C sources are co
 the system C compiler on first use into ``$CONSISTENT_OPS_CACHE`` (default
 ``~/.cache/consistent_ops``), keyed by the sources, the flags and the CPU's feature flags, and
 loaded with ctypes in every process (vLLM workers too). The bits do not depend on the build:
-the kernels' order is explicit and floating-point contraction is off.
+the kernels' order is explicit and floating-point contraction is off. -fopenmp: large calls split
+whole outputs over torch's OpenMP threads (the same libgomp.so.1), never a sum.
 """
 import ctypes
 import functools
@@ -25,7 +26,7 @@ from ..contract import CPU_ACCUMULATION, CPU_ACCUMULATION_BF16, CPU_ACCUMULATION
 
 SOURCES = [Path(__file__).with_name("dot64.c"), Path(__file__).with_name("dot32.c")]
 HEADER = Path(__file__).with_name("native.h")                      # included by both
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-fopenmp"]
 LIBS = ["-lm"]
 DTYPES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
 _lock = threading.Lock()
