@@ -712,10 +712,11 @@ int paged_tokens(int64_t S, int64_t W, const int64_t *table, const int64_t *seq_
                  int64_t sp, int64_t st, int64_t *token) {
     for (int64_t s = 0; s < S; s++) {
         const int64_t last = seq_len[s] > 0 ? (seq_len[s] - 1) / ps : 0;
-        for (int64_t pos = 0; pos < L; pos++) {
-            const int64_t page = pos / ps < last ? pos / ps : last;
+        for (int64_t p0 = 0, j = 0; p0 < L; p0 += ps, j++) {   /* page by page: no division per position */
+            const int64_t page = j < last ? j : last;
             if (page >= W) return -1;
-            token[s * L + pos] = table[s * W + page] * sp + (pos % ps) * st;
+            const int64_t base = table[s * W + page] * sp;
+            for (int64_t i = 0; i < ps && p0 + i < L; i++) token[s * L + p0 + i] = base + i * st;
         }
     }
     return 0;
