@@ -23,7 +23,12 @@ set -uo pipefail
 state=${GPU_VERL_DIR:-/tmp/gpu_verl}
 export GPU_VLLM_LAYERS=${GPU_VERL_LAYERS:-4}
 model=${GPU_VLLM_MODEL:-/tmp/qwen3_30b_a3b_l$GPU_VLLM_LAYERS}
-if [ -f /tmp/h200_env.sh ]; then . /tmp/h200_env.sh; else export PYTHONPATH="recipe:kernels" PYTHONUNBUFFERED=1; fi
+if [ -f /tmp/h200_env.sh ]; then
+    . /tmp/h200_env.sh
+elif [ "${1:-}" != --runner ]; then   # the runner inherits these (it runs from a copy of this script)
+    root=$(cd "$(dirname "$0")/.." && pwd)
+    export PYTHONPATH="$root/recipe:$root/kernels" PYTHONUNBUFFERED=1
+fi
 
 job() {   # name, "ENV=value ...", hydra overrides...: one job, run by the runner
     local name=$1 envs=$2; shift 2
@@ -44,6 +49,7 @@ job() {   # name, "ENV=value ...", hydra overrides...: one job, run by the runne
 
 if [ "${1:-}" = "--runner" ]; then   # detached: the jobs named, one after another
     shift
+    cd "$state"   # not the call's copy of the repo, which the next call replaces
     for name in "$@"; do
         case $name in
         plugin) job plugin "TRUE_ON_POLICY=1" ;;
