@@ -66,8 +66,10 @@ def test_selecting_ascend_here_names_the_missing_piece(monkeypatch):
 
 
 def test_fingerprint_covers_the_realisation():
-    base = {"attention": "triton", "kv_block": contract.KV_BLOCK, "linear": "triton", "versions": {}}
-    fa = {**base, "attention": "flash-attention-npu consistency build", "kv_block": contract.ASCEND_KV_BLOCK}
+    base = {"attention": "triton", "kv_block": contract.KV_BLOCK, "kv_chunk": contract.KV_CHUNK, "linear": "triton",
+            "versions": {}}
+    fa = {**base, "attention": "flash-attention-npu consistency build", "kv_block": contract.ASCEND_KV_BLOCK,
+          "kv_chunk": None}
     newer = {**base, "versions": {"triton-ascend": "3.2.1"}}
     prints = {contract.fingerprint("ascend", r) for r in (base, fa, newer)}
     assert len(prints) == 3 and contract.fingerprint("ascend") not in prints

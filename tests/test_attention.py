@@ -54,15 +54,41 @@ def paged(q, k, v, lens, page_size, chunk, seed=0):
 LENS = [150, 1, 64, 77, 200]
 
 
+@pytest.fixture(params=[512, 64, 128])
+def kv_chunk(request, monkeypatch):
+    """The contract's KV chunk (512), and chunks these short sequences cross (every block a chunk,
+    two blocks a chunk): the fold of chunk states runs in every path."""
+    from consistent_ops.reference import attention
+    monkeypatch.setattr(attention, "KV_CHUNK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 64])
 @pytest.mark.parametrize("chunk", [1, 7, 64, 100, 1000])
-def test_paged_equals_packed(page_size, chunk):
+def test_paged_equals_packed(page_size, chunk, kv_chunk):
     q, k, v = qkv(LENS)
     train = co.attention_varlen(q, k, v, cu(LENS))
     assert torch.equal(paged(q, k, v, LENS, page_size, chunk, seed=page_size), train)
 
 
-def test_alone_equals_in_mixed_batch():
+def test_kv_chunks_fold_in_the_contract(monkeypatch):
+    """A sequence within one chunk has the bits of one unchunked walk (chunk 0's state is the
+    fold); a longer one is folded, and its bits depend on the chunk size: the rule is real (so
+    both engines must share it: contract.KV_CHUNK is in the fingerprint)."""
+    from consistent_ops import contract
+    from consistent_ops.reference import attention
+    q, k, v = qkv([300], seed=5)
+    outs = {}
+    for c in (64, 128, 320, 1 << 20):
+        monkeypatch.setattr(attention, "KV_CHUNK", c)
+        outs[c] = co.attention_varlen(q, k, v, cu([300]))
+    assert torch.equal(outs[320], outs[1 << 20])
+    assert torch.equal(outs[64][:64], outs[1 << 20][:64]) and torch.equal(outs[128][:128], outs[1 << 20][:128])
+    assert not torch.equal(outs[64][64:], outs[1 << 20][64:]) and not torch.equal(outs[64][128:], outs[128][128:])
+    assert '"kv_chunk": %d' % contract.KV_CHUNK in contract.contract_text("reference")
+
+
+def test_alone_equals_in_mixed_batch(kv_chunk):
     q, k, v = qkv(LENS)
     batch = co.attention_varlen(q, k, v, cu(LENS))
     s = cu(LENS)
@@ -93,14 +119,14 @@ def reference64(q, k, v, lens):
                       for a, b in zip(s[:-1], s[1:])])
 
 
-def test_accuracy_vs_float64():
+def test_accuracy_vs_float64(kv_chunk):
     q, k, v = qkv(LENS, dtype=torch.float32)
     out = co.attention_varlen(q, k, v, cu(LENS)).double()
     ref = reference64(q, k, v, LENS)
     assert ((out - ref).abs().max() / ref.abs().max()) < 1e-6
 
 
-def test_gradients_vs_float64():
+def test_gradients_vs_float64(kv_chunk):
     q, k, v = qkv([70, 130], dtype=torch.float32, seed=1)
     grads = []
     for dtype, fn in ((torch.float32, lambda *t: co.attention_varlen(*t, cu([70, 130]))),
@@ -110,3 +136,19 @@ def test_gradients_vs_float64():
         grads.append([t.grad.double() for t in ts])
     for ours, ref in zip(*grads):
         assert ((ours - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_torch_loop_equals_the_native_pass_in_fp64(monkeypatch, kv_chunk):
+    """The block loop in torch ops (other devices, the CPU backward) and the native pass (dot64.c
+    attend64) realise the same rule, KV chunks and their fold included: in the fp64 realisation
+    (fp64 sums of fp32 terms, libm exp in both) they give the same bits."""
+    from consistent_ops import contract
+    from consistent_ops.reference import attention
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, "fp64")
+    lens = [300, 77]
+    q, k, v = qkv(lens, seed=6)
+    width = 320
+    padded = [attention._pad_rows(t, [0, lens[0]], lens, width) for t in (q, k, v)]
+    qpos = torch.minimum(torch.arange(width)[None], torch.tensor(lens)[:, None] - 1)
+    loop = attention._attend_torch(padded[0], qpos, attention._DenseKV(*padded[1:]), D ** -0.5)
+    assert torch.equal(attention._unpad_rows(loop, lens), co.attention_varlen(q, k, v, cu(lens), D ** -0.5))

@@ -91,7 +91,7 @@ def test_scalar_build_gives_the_same_bits(tmp_path, monkeypatch):
         for name in ("fp32", "bf16"):
             monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
             token = torch.arange(128)[None, :].clamp(max=79) * 32
-            out.append(native.attend(q, k, v, token, 0, 1, torch.tensor([list(range(70))]), torch.tensor([80]), 0.17))
+            out.append(native.attend(q, k, v, token, 0, 1, torch.tensor([list(range(70))]), torch.tensor([80]), 0.17, 64))
         return (native.dot32_matmul(a, w.t()), native.dot32p_matmul(a, w.t()), native.dot32p_matmul(tiny, tiny.t()),
                 native.rms_norm(a, w[0, :333], 1e-6), native.silu_mul(a * 40, w[:9]), *out)
     fast = run()

@@ -21,6 +21,11 @@ KV_BLOCK = 64
 # The KV block is a per-backend value where a backend's attention kernel fixes it:
 # flash-attention-npu's consistency build walks keys in stacks of 512 (ascend backend).
 ASCEND_KV_BLOCK = 512
+# Keys are also cut into chunks of KV_CHUNK positions (a multiple of every KV block): each chunk's
+# softmax state starts fresh and the chunk states are folded in chunk order by one formula, so a
+# decoder may walk the chunks of a long sequence in parallel programs and fold them after, with
+# the bits of the trainer's one walk (the seeds' "online softmax split strategy aligned").
+KV_CHUNK = 512
 
 
 
@@ -75,9 +80,16 @@ COMMON = {
         "m' = max(m, rowmax(s*scale)); a = exp(m - m'); p = exp(s*scale - m') (s*scale rounded first); "
         "base 2: c = scale*log2(e) in fp64 rounded to fp32, m' = max(m, rowmax(s)*c); a = exp2(m - m'); "
         "p = exp2(fma(s, c, -m')) (one rounding); then l = l*a + rowsum(p); acc = acc*a + "
-        "contract_dot(p, v); out = acc / l, rounded to the input dtype. Fully masked blocks are exact "
-        "no-ops (a = 1, p = 0), so walking further never changes bits. KV for this step is written to "
-        "the cache before attention."),
+        "contract_dot(p, v). KV chunks: keys are cut into chunks of KV_CHUNK positions from position 0; the "
+        "state (m, l, acc) starts fresh (m = -inf, l = 0, acc = 0) at each chunk's first block, a block "
+        "with no visible key for a row leaving its state as it is (a = 1 once m is finite; a = 0 and p = 0 "
+        "while m = -inf, the exponent taken against 0); chunk states are folded per row in chunk order: F "
+        "= the state of chunk 0; for each later chunk c with a visible key (m_c > -inf): M = max(F.m, m_c), "
+        "x = E(F.m - M), y = E(m_c - M), F.l = F.l*x + l_c*y, F.acc = F.acc*x + acc_c*y (E the softmax's "
+        "exponential in its base, each product rounded to fp32 then the sum, no FMA); a chunk with no "
+        "visible key is skipped. out = F.acc / F.l, rounded to the input dtype. Fully masked blocks are "
+        "exact no-ops, so walking further never changes bits, and the chunks of a row may be computed in "
+        "any programs and folded after. KV for this step is written to the cache before attention."),
     "linear": "out[m, n] = contract_dot(x[m, :], w[n, :]) (+ bias in fp32), rounded to out dtype",
     "linear_row_parallel": (
         "k contiguous K-shards in rank order; each rank's partial is the contraction of its "
@@ -167,7 +179,8 @@ ACCUMULATION = {
             "above, both giving identical bits on the H200; "
             "attention: softmax base 2, p rounded to the value dtype for contract_dot(p, v), acc*a fed as "
             "the MMA accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every "
-            "path"),
+            "path; a tile's KV chunks folded in its program, or (small paged batches) one program per "
+            "chunk writing fp32 states that one fold kernel folds in chunk order"),
         "reductions": (
             "fp32, whole rows per program (RMSNorm packs rows of H < 2048 to 2048 elements a program), each row "
             "reduced along its own axis, tree shape a function of the row length only (RMSNorm, router "
@@ -191,8 +204,8 @@ ACCUMULATION = {
         "attention": (
             "flash-attention-npu consistency build where flash_attn_npu_v3 imports: keys in stacks of "
             "ASCEND_KV_BLOCK from position 0, fp32 softmax state, p rounded to bf16, num_splits 1, pages of "
-            "128 (its softmax base); otherwise the triton attention (KV_BLOCK, base 2); realisation: "
-            "attention, kv_block"),
+            "128 (its softmax base), one walk with no KV chunks (its kernel has no chunk restart); otherwise "
+            "the triton attention (KV_BLOCK, KV_CHUNK, base 2); realisation: attention, kv_block, kv_chunk"),
         "transcendentals": (
             "fp32 exp/log (A2/A3 cores have no fp64) in every kernel and in silu_mul; RoPE cos/sin tables "
             "in fp64 on the host CPU (the reference's); sqrt and division IEEE (sqrt_rn, div_rn)"),
@@ -265,7 +278,7 @@ def contract_text(backend: str, realisation=None, model=None) -> str:
     parameters the model passes to the ops (``model``: RoPE, eps, routing, shapes; None: none)."""
     if backend not in ACCUMULATION:
         raise ValueError(f"unknown consistent_ops backend {backend!r}; choose one of {sorted(ACCUMULATION)}")
-    doc = {"version": VERSION, "kv_block": KV_BLOCK, "triton_logprob_block": TRITON_LOGPROB_BLOCK, "common": COMMON,
+    doc = {"version": VERSION, "kv_block": KV_BLOCK, "kv_chunk": KV_CHUNK, "triton_logprob_block": TRITON_LOGPROB_BLOCK, "common": COMMON,
            "backend": backend, "accumulation": ACCUMULATION[backend]}
     if backend in TILED_BACKENDS:
         doc["triton_tiles"] = TRITON_TILES

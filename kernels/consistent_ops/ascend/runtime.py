@@ -79,11 +79,12 @@ def activate():
 
 def realisation():
     """Everything per installation that can change bits: it goes into the fingerprint."""
-    from ..contract import ASCEND_KV_BLOCK, KV_BLOCK
+    from ..contract import ASCEND_KV_BLOCK, KV_BLOCK, KV_CHUNK
     fa = use_flash_attn_npu()
     return {
         "attention": "flash-attention-npu consistency build" if fa else "triton",
         "kv_block": ASCEND_KV_BLOCK if fa else KV_BLOCK,
+        "kv_chunk": None if fa else KV_CHUNK,     # flash-attention-npu walks its stacks in one pass
         "linear": "cann npu_mm_batch_invariant (bf16 out, no bias) + triton" if use_cann_matmul() else "triton",
         "versions": {p[1]: version(p) for p in (TORCH_NPU, TRITON_ASCEND, FLASH_ATTN_NPU, CANN_BATCH_INVARIANT)},
         "cann": os.path.basename(os.path.realpath(os.environ["ASCEND_TOOLKIT_HOME"]))

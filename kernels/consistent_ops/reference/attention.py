@@ -10,7 +10,7 @@ bits whether it was trained, prefilled, chunk-prefilled or decoded.
 
 import torch
 
-from ..contract import KV_BLOCK, attention_scale
+from ..contract import KV_BLOCK, KV_CHUNK, attention_scale
 from . import native
 from .core import exp32, matmul32, recording, sum32
 
@@ -105,37 +105,59 @@ def _attend(q, qpos, kv, scale):
 def _attend_native(q, qpos, kv, scale):
     k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
     g = q.shape[2] // kv.hkv
-    out = native.attend(_rows(q, kv.hkv), k, v, token, head_stride, dim_stride, qpos.repeat(1, g), seq_lens, scale)
+    out = native.attend(_rows(q, kv.hkv), k, v, token, head_stride, dim_stride, qpos.repeat(1, g), seq_lens, scale,
+                        KV_CHUNK)
     return _unrows(out, q)
 
 
 def _attend_torch(q, qpos, kv, scale):
     """The contract's block loop in torch ops, with the work that does not carry state
     between blocks done for all blocks at once: scores (each its own dot product), the
-    running max (a cummax of block maxima is the loop's m), p and its row sums, and each
-    block's p @ V; only the fp32 rescale-and-add runs block by block, in order."""
+    running max within each KV chunk (a cummax of block maxima is the loop's m), p and its
+    row sums, and each block's p @ V; only the fp32 rescale-and-add runs block by block, and
+    the chunk states' fold chunk by chunk, in order."""
     S, Tq, Hq, D = q.shape
     hkv = kv.hkv
     g, rows = Hq // hkv, Hq // hkv * Tq
     n_blocks = int(qpos.max()) // KV_BLOCK + 1
+    per_chunk = KV_CHUNK // KV_BLOCK
     qh = _rows(q, hkv)
     kpos = torch.arange(n_blocks * KV_BLOCK, device=q.device)
     visible = kpos[None, None, :] <= qpos.repeat(1, g)[:, :, None]     # qpos < seq_len: in the sequence
     s = (kv.scores(qh, n_blocks * KV_BLOCK) * scale).masked_fill(~visible[:, None], NEG_INF)
     s = s.view(S, hkv, rows, n_blocks, KV_BLOCK)
     # m only shifts the exponent: detach it so autograd sees the exact softmax.
-    m = torch.cummax(s.detach().amax(-1), -1).values                    # [S, Hkv, R, J]
+    block_max = s.detach().amax(-1)
+    m = torch.cat([torch.cummax(block_max[..., c:c + per_chunk], -1).values
+                   for c in range(0, n_blocks, per_chunk)], -1)        # [S, Hkv, R, J]
     m_prev = torch.cat([torch.full_like(m[..., :1], NEG_INF), m[..., :-1]], -1)
-    a = exp32(m_prev - m)                                               # block 0: exp(-inf) = 0
-    p = exp32(s - m[..., None])
+    m_prev[..., ::per_chunk] = NEG_INF                                  # a chunk starts fresh
+    m0 = m.masked_fill(m == NEG_INF, 0.0)                               # no key seen yet: a = p = 0
+    a = exp32(m_prev - m0)
+    p = exp32(s - m0[..., None])
     row_sums = sum32(p, -1)
     pv = kv.values(p.transpose(2, 3))                                   # [S, Hkv, J, R, D]
-    l = torch.zeros((S, hkv, rows), dtype=torch.float32, device=q.device)
-    acc = torch.zeros((S, hkv, rows, D), dtype=torch.float32, device=q.device)
-    for j in range(n_blocks):                                           # blocks from 0, in order
-        l = l * a[..., j] + row_sums[..., j]
-        acc = acc * a[..., j, None] + pv[:, :, j]
-    return _unrows(acc / l[..., None], q)
+    out = None
+    for c in range(0, n_blocks, per_chunk):                             # chunks from 0, in order
+        l = torch.zeros((S, hkv, rows), dtype=torch.float32, device=q.device)
+        acc = torch.zeros((S, hkv, rows, D), dtype=torch.float32, device=q.device)
+        for j in range(c, min(c + per_chunk, n_blocks)):                # blocks of the chunk, in order
+            l = l * a[..., j] + row_sums[..., j]
+            acc = acc * a[..., j, None] + pv[:, :, j]
+        state = (m[..., min(c + per_chunk, n_blocks) - 1], l, acc)
+        out = state if out is None else _fold(out, state)
+    return _unrows(out[2] / out[1][..., None], q)
+
+
+def _fold(f, chunk):
+    """The contract's fold of a chunk's state into the state of the chunks before it; a row
+    that sees no key of the chunk keeps its state."""
+    (fm, fl, facc), (m, l, acc) = f, chunk
+    top = torch.maximum(fm, m)
+    x, y = exp32(fm - top), exp32(m - top)
+    seen = m != NEG_INF
+    return (torch.where(seen, top, fm), torch.where(seen, fl * x + l * y, fl),
+            torch.where(seen[..., None], facc * x[..., None] + acc * y[..., None], facc))
 
 
 def _check_heads(hq, hkv):

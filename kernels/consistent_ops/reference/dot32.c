@@ -485,8 +485,8 @@ static void pv_row(const float *p, const float *vb, int64_t nvis, int64_t dp, fl
     }
 }
 
-/* dot64.c's attend64 (same arguments and loop) with the contractions and the row sums of p
- * in this file's order; exp by exp32_rows. pairs: q.k of BF16 q and K in the pair order.
+/* dot64.c's attend64 (same arguments, loop and KV chunks) with the contractions and the row sums
+ * of p in this file's order; exp by exp32_rows (and exp32_one in the chunks' fold). pairs: q.k of BF16 q and K in the pair order.
  * Keys past the last query position of a block (masked for every row) are neither read nor
  * multiplied: their scores are -inf and their p exactly 0 either way; a row is skipped in a
  * block it sees no key of (a = exp(0) = 1, p = 0: l and o would be kept exactly). */
@@ -494,13 +494,14 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                         int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
                         float scale, float *out, int pairs) {
     const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
+    const int64_t per_chunk = dims[6] / KVB;                     /* KV blocks a chunk */
     const int64_t dp = (D + LANES - 1) / LANES * LANES, kvp = (KVB + LANES - 1) / LANES * LANES;
     const int64_t npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
     const int64_t dq = (D + PAIR_K - 1) / PAIR_K * PAIR_K;       /* pair rows (bf16) */
     const int64_t nq = (KVB + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS;
     pairs = pairs && tq == BF16 && tkv == BF16;
     const int k_direct = pairs && kvs[1] == 1 && dq == D;       /* K rows read in place from the cache */
-    const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 2 * R + 64)
+    const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 4 * R + R * D + 64)
                         + (pairs ? (size_t)((R + nq) * dq / 2 + nq * 2 + 16) : 0);
     const int nt = threads_for((double)S * H * R * L * D);
     int fail = 0;
@@ -513,8 +514,9 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     if (!buf) hi = lo;
     float *qb = buf, *kb = qb + R * dp, *vb = kb + npad * dp, *pb = vb + kvp * dp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
+    float *fm = lrow + R, *fl = fm + R, *ca = fl + R;   /* the fold of chunks before; a later chunk's acc */
     if (buf) memset(kb, 0, (size_t)(npad * dp + kvp * dp + R * kvp) * sizeof(float));   /* pads stay 0 */
-    const uint16_t **krow = (const uint16_t **)(((uintptr_t)(lrow + R) + 63) & ~(uintptr_t)63);
+    const uint16_t **krow = (const uint16_t **)(((uintptr_t)(ca + R * D) + 63) & ~(uintptr_t)63);
     uint16_t *qb16 = (uint16_t *)(krow + nq), *kb16 = qb16 + R * dq;
     for (int64_t sh = lo; sh < hi; sh++) {
         const int64_t s = sh / H, h = sh % H;
@@ -542,7 +544,16 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
         }
         int64_t last = 0;
         for (int64_t r = 0; r < R; r++) last = qp[r] > last ? qp[r] : last;
-        for (int64_t j = 0; j * KVB <= last && j * KVB < L; j++) {
+        int64_t j = 0;
+        for (; j * KVB <= last && j * KVB < L; j++) {
+            if (j == per_chunk) {        /* chunk 0 ends: its state is the fold so far (acc stays in o) */
+                memcpy(fm, mrow, (size_t)R * sizeof(float));
+                memcpy(fl, lrow, (size_t)R * sizeof(float));
+                for (int64_t r = 0; r < R; r++) mrow[r] = -INFINITY, lrow[r] = 0.0f;
+                memset(ca, 0, (size_t)(R * D) * sizeof(float));
+            } else if (j > per_chunk && j % per_chunk == 0)
+                fold_chunk(R, D, exp32_one, fm, fl, o, mrow, lrow, ca);
+            float *acc = j < per_chunk ? o : ca;
             const int64_t nvis = last - j * KVB + 1 < KVB ? last - j * KVB + 1 : KVB;   /* keys some row sees */
             const int64_t nv16 = (nvis + LANES - 1) / LANES * LANES;
             for (int64_t n = 0; n < nvis; n++) {
@@ -582,11 +593,13 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
                 mrow[r] = m_new;
                 pv_row(pr, vb, nvis, dp, pv + r * dp);               /* pv[r][d] = contract_dot(p, v) */
-                for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] * a + pv[r * dp + d];
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * a + pv[r * dp + d];
             }
         }
+        if (j > per_chunk) fold_chunk(R, D, exp32_one, fm, fl, o, mrow, lrow, ca);   /* the last chunk */
+        const float *lsum = j > per_chunk ? fl : lrow;
         for (int64_t r = 0; r < R; r++)
-            for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lrow[r];
+            for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lsum[r];
     }
     }
     return fail ? -1 : 0;

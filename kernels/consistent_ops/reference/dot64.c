@@ -203,16 +203,21 @@ void inv_sqrt32(int64_t n, const float *x, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = 1.0f / sqrtf(x[i]);
 }
 
+/* The softmax's exponential of attend64: exp in fp64, rounded to fp32. */
+static float exp64f(float x) { return (float)exp((double)x); }
+
 /* The contract's attention for every (sequence s, KV head h), one pass over K/V blocks of
  * KVB positions from 0 in order (contract.py COMMON["attention"]): per block
  * s = fp32(contract_dot(q, k)) * scale, masked past the row's position to -inf;
  * m' = max(m, rowmax s); a = fp32(exp64(m - m')); p = fp32(exp64(s - m'));
- * l = l * a + fp32(lane sum of p); acc = acc * a + fp32(contract_dot(p, v)); out = acc / l.
+ * l = l * a + fp32(lane sum of p); acc = acc * a + fp32(contract_dot(p, v)); the state restarts
+ * at every KV chunk of CH positions and chunk states are folded in order (fold_chunk); out = acc / l.
  * Contractions use block_rows / block_cols (the lane order of dot64); fp32 steps are
  * separate IEEE operations. Reading K and V of a block together keeps the one pass over
  * the cache (a paged KV cache is read in place: no gather).
- * dims = {S, H, R, D, L, KVB}: R query rows per (s, h), keys 0 .. L-1 (L a multiple of KVB);
- * KVB = contract.KV_BLOCK, passed by native.py so the contract's constant is the only one.
+ * dims = {S, H, R, D, L, KVB, CH}: R query rows per (s, h), keys 0 .. L-1 (L a multiple of KVB);
+ * KVB = contract.KV_BLOCK, CH = contract.KV_CHUNK (a multiple of KVB), passed by native.py so the
+ * contract's constants are the only ones.
  * Q element (s, h, r, d) at Q + s*qs[0] + h*qs[1] + r*qs[2] + d; K/V element (s, h, pos, d)
  * at base + tok[s*L + pos] + h*kvs[0] + d*kvs[1]; qpos [S*R] (row r of s: its position,
  * < seq_len[s]); V at pos >= seq_len[s] reads as 0. out [S, H, R, D] fp32. 0 or -1 (memory). */
@@ -220,12 +225,14 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
              int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
              float scale, float *out) {
     const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
+    const int64_t per_chunk = dims[6] / KVB;
     const int64_t dp = (D + 3) & ~(int64_t)3, eq = ELEM[tq], ekv = ELEM[tkv];
-    const size_t need = (size_t)(R * dp + KVB * dp + KVB * dp + R * KVB + 4) * 2 + (size_t)(R * (dp + 2)) + 8;
+    const size_t need = (size_t)(R * dp + KVB * dp + KVB * dp + R * KVB + 4) * 2 + (size_t)(R * (dp + D + 4)) + 8;
     double *buf = scratch_bytes(need * sizeof(double));
     if (!buf) return -1;
     double *qb = buf, *kb = qb + R * dp, *vb = kb + KVB * dp, *pb = vb + KVB * dp;
     float *sb = (float *)(pb + R * KVB), *pv = sb + R * KVB, *mrow = pv + R * dp, *lrow = mrow + R;
+    float *fm = lrow + R, *fl = fm + R, *ca = fl + R;   /* the fold of chunks before; a later chunk's acc */
     for (int64_t s = 0; s < S; s++)
     for (int64_t h = 0; h < H; h++) {
         const int64_t *ts = tok + s * L;
@@ -241,7 +248,16 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
         }
         int64_t last = 0;                                /* blocks up to the largest position */
         for (int64_t r = 0; r < R; r++) last = qp[r] > last ? qp[r] : last;
-        for (int64_t j = 0; j * KVB <= last && j * KVB < L; j++) {
+        int64_t j = 0;
+        for (; j * KVB <= last && j * KVB < L; j++) {
+            if (j == per_chunk) {        /* chunk 0 ends: its state is the fold so far (acc stays in o) */
+                memcpy(fm, mrow, (size_t)R * sizeof(float));
+                memcpy(fl, lrow, (size_t)R * sizeof(float));
+                for (int64_t r = 0; r < R; r++) mrow[r] = -INFINITY, lrow[r] = 0.0f;
+                memset(ca, 0, (size_t)(R * D) * sizeof(float));
+            } else if (j > per_chunk && j % per_chunk == 0)
+                fold_chunk(R, D, exp64f, fm, fl, o, mrow, lrow, ca);
+            float *acc = j < per_chunk ? o : ca;
             for (int64_t n = 0; n < KVB; n++) {
                 const int64_t pos = j * KVB + n;
                 const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
@@ -263,10 +279,11 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
                     bm = sr[n] > bm ? sr[n] : bm;
                 }
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
-                const float a = (float)exp((double)(mrow[r] - m_new));
+                const float m0 = m_new == -INFINITY ? 0.0f : m_new;   /* no key seen yet in this chunk */
+                const float a = exp64f(mrow[r] - m0);
                 v4d lanes = {0, 0, 0, 0};
                 for (int64_t n = 0; n < KVB; n++) {
-                    const float p = (float)exp((double)(sr[n] - m_new));
+                    const float p = exp64f(sr[n] - m0);
                     pb[r * KVB + n] = p;
                     lanes[n & 3] += (double)p;
                 }
@@ -277,11 +294,13 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
             block_cols(pb, R, vb, dp, dp, D, KVB, pv, dp);         /* pv[r][d] = fp32 dot(p, v) */
             for (int64_t r = 0; r < R; r++) {
                 const float a = sb[r * KVB];
-                for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] * a + pv[r * dp + d];
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * a + pv[r * dp + d];
             }
         }
+        if (j > per_chunk) fold_chunk(R, D, exp64f, fm, fl, o, mrow, lrow, ca);   /* the last chunk */
+        const float *lsum = j > per_chunk ? fl : lrow;
         for (int64_t r = 0; r < R; r++)
-            for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lrow[r];
+            for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lsum[r];
     }
     return 0;
 }

@@ -64,6 +64,26 @@ static inline void prefetch(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
+/* The contract's fold of a KV chunk's attention state (m, l, acc of R rows of D) into the fold of the
+ * chunks before it (fm, fl, facc), contract.COMMON["attention"]: a row with no visible key in the
+ * chunk (m = -inf) keeps its state; expf is the realisation's exp (fp32 in, fp32 out). Then the
+ * chunk's state is reset for the next chunk. Every step is one IEEE fp32 operation (no contraction). */
+static inline void fold_chunk(int64_t R, int64_t D, float (*expf32)(float), float *fm, float *fl, float *facc,
+                              float *m, float *l, float *acc) {
+    for (int64_t r = 0; r < R; r++) {
+        if (m[r] != -INFINITY) {
+            const float top = fm[r] > m[r] ? fm[r] : m[r];
+            const float x = expf32(fm[r] - top), y = expf32(m[r] - top);
+            fl[r] = fl[r] * x + l[r] * y;
+            for (int64_t d = 0; d < D; d++) facc[r * D + d] = facc[r * D + d] * x + acc[r * D + d] * y;
+            fm[r] = top;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[r * D + d] = 0.0f;
+    }
+}
+
 /* RMSNorm of T rows of H (dt = F32 or BF16, rows contiguous): r = x (+ residual, added in
  * dt, written to res_out); var = sumsq(r zero-padded to a multiple of lanes) / H, the
  * contract_dot(r, r) of the calling kernel; inv = 1 / sqrt(var + eps);

@@ -205,8 +205,9 @@ def _matmul(a, b, rows, kernel):
     return out
 
 
-def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale):
-    """The contract's attention in one pass (attend64 / attend32 per _kernel): qh [S, H, R, D] query rows;
+def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk):
+    """The contract's attention in one pass (attend64 / attend32 per _kernel), states restarted every
+    `chunk` keys (contract.KV_CHUNK, a multiple of KV_BLOCK) and folded: qh [S, H, R, D] query rows;
     K/V element (s, h, pos, d) at k/v's first element + token[s, pos] + h * head_stride +
     d * dim_stride (a padded layout or a paged cache read in place); qpos [S, R] each row's
     position; V past seq_lens[s] reads as 0. Returns acc / l, fp32 [S, H, R, D]. No autograd."""
@@ -223,7 +224,7 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale):
         raise TypeError(f"attend: K/V dtypes {k.dtype}/{v.dtype}; use one of {list(DTYPES)}")
     out = torch.empty(S, H, R, D, dtype=torch.float32)
     if out.numel():
-        rc = getattr(library(), "attend" + _kernel(qh, k))(_int64s([S, H, R, D, L, KV_BLOCK]), qh.data_ptr(), DTYPES[qh.dtype],
+        rc = getattr(library(), "attend" + _kernel(qh, k))(_int64s([S, H, R, D, L, KV_BLOCK, chunk]), qh.data_ptr(), DTYPES[qh.dtype],
                                 _int64s(list(qh.stride()[:3])), k.data_ptr(), v.data_ptr(), DTYPES[k.dtype],
                                 token.data_ptr(), _int64s([head_stride, dim_stride]), qpos.data_ptr(),
                                 seq_lens.data_ptr(), scale, out.data_ptr())
