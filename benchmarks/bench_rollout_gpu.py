@@ -3,7 +3,8 @@ vocab 151,936, random weights), Triton backend, as a vLLM runner would drive it.
 
   1. trainer == rollout, bitwise, at full depth: packed trainer forward vs chunked prefill
      plus CUDA-graph decode (tests/gpu/harness.py GraphRunner);
-  2. decode step time as graph replays for B in {1, 64, 256} at context 1k and {1, 64} at 8k,
+  2. decode step time as graph replays for B in {1, 4, 16, 64, 256} at context 1k, {1, 4, 16, 64}
+     at 8k and {1, 4, 16} at 32k,
      each as % of its HBM roofline: bytes of the weights the step touches (the experts its
      routing selects, measured) plus the KV it reads, over the copy bandwidth of this run;
   3. prefill tokens/s for 16k tokens in chunks of 2k and 8k (last-token logits, as vLLM),
@@ -25,8 +26,11 @@ from harness import QWEN3_30B_A3B as SHAPE, GraphRunner, ModelRunner, PagedKV, b
 
 DEV, BF16 = "cuda", torch.bfloat16
 PAGE, PREFILL_LAYERS = 16, 8
-DECODE_CASES = ((1, 1024), (64, 1024), (256, 1024), (1, 8192), (64, 8192))
-GOALS = {(64, 1024): 50, (256, 1024): 50, (64, 8192): 60}
+# the rollout's tail (B 1-16 at long context) and its body (B 64-256)
+DECODE_CASES = ((1, 1024), (4, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 8192), (4, 8192), (16, 8192),
+                (64, 8192), (1, 32768), (4, 32768), (16, 32768))
+GOALS = {(64, 1024): 50, (256, 1024): 50, (64, 8192): 60, (1, 1024): 40, (1, 8192): 40,
+         **{(b, c): 60 for b in (4, 16) for c in (8192, 32768)}}
 ROWS, META = [], {}
 
 

@@ -55,6 +55,18 @@ def qkv():
     return rand(t, HQ, D, seed=1), rand(t, HKV, D, seed=2), rand(t, HKV, D, seed=3)
 
 
+@pytest.fixture(params=[(512, False), (64, False), (64, True)], ids=["chunk512", "chunk64", "chunk64-split"])
+def kv_chunks(request, monkeypatch):
+    """The contract's KV chunk, and chunks of one KV block each (these short sequences cross
+    several), folded in each tile's program or (split) by one program per chunk and the fold
+    kernel: the same bits on every path."""
+    from consistent_ops.triton import attention as ta
+    chunk, split = request.param
+    monkeypatch.setattr(ta, "KV_CHUNK", chunk)
+    monkeypatch.setattr(ta, "_split_programs", lambda device: (1 << 30) if split else 0)
+    return request.param
+
+
 def _cu(lens):
     return torch.tensor([0] + list(np.cumsum(lens)), dtype=torch.int64)
 
@@ -89,7 +101,7 @@ def test_attention_varlen_matches_reference(qkv):
     assert rel(T.attention_varlen(q, k, v, _cu(LENS)), R.attention_varlen(q, k, v, _cu(LENS))) < 1e-2
 
 
-def test_attention_paths_bitwise_equal(qkv):
+def test_attention_paths_bitwise_equal(qkv, kv_chunks):
     """train varlen == paged prefill == chunked prefill (mixed with decode) == decode."""
     q, k, v = qkv
     train = T.attention_varlen(q, k, v, _cu(LENS))
@@ -109,7 +121,19 @@ def test_attention_paths_bitwise_equal(qkv):
     assert torch.equal(torch.stack([got[i] for i in range(a + b)]), train)
 
 
-def test_attention_backward_vs_float64(qkv):
+def test_kv_chunks_are_live(qkv, monkeypatch):
+    """Companion: the chunk size reaches the bits (rows past the first chunk), nothing before it."""
+    from consistent_ops.triton import attention as ta
+    q, k, v = qkv
+    outs = []
+    for chunk in (64, 512):
+        monkeypatch.setattr(ta, "KV_CHUNK", chunk)
+        outs.append(T.attention_varlen(q, k, v, _cu(LENS)))
+    first = torch.tensor([i < 64 or LENS[0] <= i < LENS[0] + 64 for i in range(sum(LENS))])
+    assert torch.equal(outs[0][first], outs[1][first]) and not torch.equal(outs[0][~first], outs[1][~first])
+
+
+def test_attention_backward_vs_float64(qkv, kv_chunks):
     q, k, v = (t.clone().requires_grad_() for t in qkv)
     out = T.attention_varlen(q, k, v, _cu(LENS))
     g = rand(*out.shape, seed=9)
@@ -121,7 +145,7 @@ def test_attention_backward_vs_float64(qkv):
         assert rel(mine, exact) < 2e-2
 
 
-def test_padded_mixed_batch_is_one_launch_with_exact_no_op_padding(qkv):
+def test_padded_mixed_batch_is_one_launch_with_exact_no_op_padding(qkv, kv_chunks):
     """A batch padded as a FULL CUDA graph pads it (a request with no tokens, token rows past
     the last request): the grid comes from shapes alone, the real rows equal the unpadded
     call's bit for bit."""
@@ -147,7 +171,7 @@ def test_padded_mixed_batch_is_one_launch_with_exact_no_op_padding(qkv):
     assert torch.equal(got[:41], want)
 
 
-def test_dummy_metadata_reads_inside_the_table_and_cache():
+def test_dummy_metadata_reads_inside_the_table_and_cache(kv_chunks):
     """vLLM's capture and memory-profiling dummies: a sequence longer than its table row and
     page ids -1 and past the cache are clamped into the table and the cache (the interpreter
     reads numpy arrays: no read outside them), and a real request beside them keeps its bits."""

@@ -94,8 +94,12 @@ def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
     assert_rows_equal(run_schedule(qkv, steps, 16), train)
 
 
-def test_decode_equals_train(qkv, train):
-    """Pure decode batches (64-row tiles) for the last 8 tokens of every sequence."""
+@pytest.mark.parametrize("split", [True, False])
+def test_decode_equals_train(qkv, train, split, monkeypatch):
+    """Pure decode batches (64-row tiles) for the last 8 tokens of every sequence, with one
+    program per KV chunk and the fold kernel (what so small a batch gets) and without."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "_split_programs", lambda device: (1 << 30) if split else 0)
     steps = [[(s, 0, n - 8) for s, n in enumerate(LENS) if n > 8]]
     steps += [[(s, n - 8 + i, n - 7 + i) for s, n in enumerate(LENS) if n > 8] for i in range(8)]
     got = run_schedule(qkv, steps, 16)

@@ -109,6 +109,7 @@ class Compiler:
 def _battery(ops, model):
     """Call every op the ascend backend has at this model's shapes, in every mode it is
     launched in (inference, autograd forward + backward, fp32 outputs, paged decode ...)."""
+    from ..triton import attention as triton_attention
     hidden, heads, kvh, d, moe_i, experts, top_k, vocab = MODELS[model]
     bf = dict(dtype=torch.bfloat16)
     for t in (1, 37, 256):                        # decode, ragged, full tiles
@@ -157,6 +158,11 @@ def _battery(ops, model):
             qsl = torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32)
             ops.attention_paged(torch.randn(sum(new), heads, d, **bf), cache_k, cache_v, table,
                                 torch.tensor([300, 400], dtype=torch.int32), qsl)
+        # the decode tail's launch (CUDA picks it for small batches): a program per KV chunk, then
+        # the fold kernel; compiled here so the one source stays portable
+        triton_attention._forward(torch.randn(2, heads, d, **bf), cache_k, cache_v,
+                                  torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([900, 1000], dtype=torch.int32),
+                                  torch.arange(16, dtype=torch.int32).view(2, 8) % 8, d ** -0.5, True, split=True)
 
 
 def main(argv=None):

@@ -12,6 +12,10 @@ and the keys only:
   4 warps: one warpgroup's wgmma m64; a row's max/sum never leaves its warp);
 - a block a row cannot see is an exact no-op (a = exp2(0) = 1, p = exp2(-inf) = 0), so
   a tile that walks further for its later rows leaves earlier rows' bits unchanged.
+Keys come in KV chunks (contract.KV_CHUNK): the state restarts at each chunk and a tile folds
+its chunks' states in order (_fold). Small paged batches (the decode tail) run one program per
+(tile, chunk) instead, each writing its chunk's fp32 state, and one fold kernel folds them in
+the same order with the same instructions: the same bits, many more programs at long context.
 The softmax runs in base 2 (contract.ACCUMULATION["triton"]). Grids are sized by shapes
 alone: the tiles of every sequence are numbered one after another (_flat_tile), so a mixed
 prefill/decode batch is one launch of about T / tile + S programs and captures in a CUDA
@@ -29,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..contract import KV_BLOCK, TRITON_TILES, attention_scale
+from ..contract import KV_BLOCK, KV_CHUNK, TRITON_TILES, attention_scale
 from . import gemm
 from .common import EXACT
 
@@ -70,6 +74,10 @@ _FWD_TMA = True
 # operations fewer per score than exp(s * scale - m)): on the H200 the forward got 11-14 %
 # faster (probe_attention). qk_scale = scale * log2(e) in fp64, rounded to fp32 once.
 _LOG2E = 1.4426950408889634
+# Paged batches of fewer programs than this many per SM run one program per KV chunk, if the
+# chunks' fp32 states fit _SPLIT_BYTES (sized by the table's capacity: shapes only, so CUDA
+# graphs replay the same grid). The split changes no bit; it fills the GPU in the decode tail.
+_SPLIT_WAVES, _SPLIT_BYTES = 4, 256 << 20
 
 
 @triton.jit
@@ -116,37 +124,74 @@ def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seq_len)
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m, tl.max(qk, 1) * qk_scale)                  # == max(qk * qk_scale): scale > 0
-    a = tl.exp2(m - m_new)
-    p = tl.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))               # one rounding
+    m0 = m_new
+    if MASK:  # a row that has seen no key of this chunk yet: exponents against 0 (a = p = 0)
+        m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m - m0)
+    p = tl.exp2(tl.fma(qk, qk_scale, -m0[:, None]))                  # one rounding
     l = l * a + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * a[:, None])                 # p rounded to v's dtype
     return acc, m_new, l
 
 
 @triton.jit
-def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
-                 Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr,
-                 KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
-    """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
-    lie in [first_pos, last_pos]. Returns the unnormalised acc, the row max m and sum l."""
+def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v, Table, stride_tab,
+                  tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
+                  CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
+    """The contract's walk over the key blocks of KV chunk c, from a fresh state: blocks
+    below n_full are seen whole by every row of the tile (no mask), blocks from n_blocks on
+    by none. Returns the chunk's unnormalised acc, row max m and sum l."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
     offs = tl.arange(0, KV)
-    n_full = (first_pos + 1) // KV      # blocks every row sees entirely: the mask is a no-op
-    n_blocks = last_pos // KV + 1       # later blocks are invisible to every row of the tile
-    for j in range(0, n_full):
+    j0 = c * (CHUNK // KV)
+    j1 = tl.minimum(j0 + CHUNK // KV, n_blocks)
+    for j in range(j0, tl.minimum(j1, n_full)):
         kpos = j * KV + offs
         krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
                            PAGE, PAGED, TMA)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
                                   qk_scale, D, False, TMA)
-    for j in range(n_full, n_blocks):
+    for j in range(tl.maximum(j0, n_full), j1):
         kpos = j * KV + offs
         krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
                            PAGE, PAGED, TMA)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
                                   qk_scale, D, True, TMA)
+    return acc, m, l
+
+
+@triton.jit
+def _fold(facc, fm, fl, acc, m, l):
+    """The contract's fold of a chunk's state (acc, m, l) into the fold of the chunks before
+    it (base 2; each product rounded, then the sum: no FMA); a row that sees no key of the
+    chunk keeps its state."""
+    top = tl.maximum(fm, m)
+    x = tl.exp2(fm - top)
+    y = tl.exp2(m - top)
+    seen = m != float("-inf")
+    return (tl.where(seen[:, None], facc * x[:, None] + acc * y[:, None], facc), tl.where(seen, top, fm),
+            tl.where(seen, fl * x + l * y, fl))
+
+
+@triton.jit
+def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
+                 Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr,
+                 KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+                 TMA: tl.constexpr):
+    """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
+    lie in [first_pos, last_pos], chunk by chunk, folded in order. Returns the unnormalised
+    acc, the row max m and sum l of the fold."""
+    n_full = (first_pos + 1) // KV      # blocks every row sees entirely: the mask is a no-op
+    n_blocks = last_pos // KV + 1       # later blocks are invisible to every row of the tile
+    acc, m, l = _attend_chunk(0, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v, Table,
+                              stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV, CHUNK, PAGE, PAGED, TMA)
+    for c in range(1, last_pos // CHUNK + 1):
+        acc_c, m_c, l_c = _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v,
+                                        Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV, CHUNK, PAGE,
+                                        PAGED, TMA)
+        acc, m, l = _fold(acc, m, l, acc_c, m_c, l_c)
     return acc, m, l
 
 
@@ -188,17 +233,11 @@ def _flat_tile(p, Starts, S, UNIT: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
-                     stride_qt, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
-                     stride_ot, stride_oh, stride_tab, tab_cols, pages, qk_scale,
-                     G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                     KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, STORE_LSE: tl.constexpr,
-                     SB: tl.constexpr, TMA: tl.constexpr):
-    # 1. which tile: latest tiles (longest walks) launch first for causal load balance
-    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
-    if seq >= S:
-        return
-    kvh = tl.program_id(1)
+def _tile_setup(seq, tile, QStart, SeqLen, G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr,
+                PAGED: tl.constexpr):
+    """A tile's rows: first token row q0, rows' token and query head within the KV group,
+    which rows are real, their positions, the tile's first and last position and seq_len.
+    Padding rows get a real prefix and are never stored."""
     q0 = tl.load(QStart + seq)
     n_new = tl.load(QStart + seq + 1) - q0
     if PAGED:
@@ -206,30 +245,103 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, QStart, SeqLen, Table, S,
     else:                                            # packed sequences: no cached tokens
         seq_len = n_new
     ctx = seq_len - n_new                            # tokens cached before this step
-    # 2. rows and their positions; padding rows get a real prefix and are never stored
     tok, hg, valid = _tile_rows(tile, n_new, ROWS, G, TPT)
-    head = kvh * G + hg
     qpos = tl.minimum(ctx + tok, seq_len - 1)
-    d = tl.arange(0, D)
-    qrow = (q0 + tok).to(tl.int64)
-    q = tl.load(Q + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=valid[:, None], other=0.0)
-    # 3. the key walk (shared by every path)
     first_pos = ctx + tile * TPT
     last_pos = tl.minimum(first_pos + TPT - 1, seq_len - 1)
+    return q0, (q0 + tok).to(tl.int64), hg, valid, qpos, first_pos, last_pos, seq_len
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, QStart, SeqLen, Table, S, T,
+                     stride_qt, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
+                     stride_ot, stride_oh, stride_tab, tab_cols, pages, qk_scale,
+                     G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+                     KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+                     STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr):
+    # 1. which tile: latest tiles (longest walks) launch first for causal load balance
+    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
+    if seq >= S:
+        return
+    kvh = tl.program_id(1)
+    # 2. rows and their positions
+    q0, qrow, hg, valid, qpos, first_pos, last_pos, seq_len = _tile_setup(seq, tile, QStart, SeqLen, G, TPT,
+                                                                          ROWS, PAGED)
+    c = tl.program_id(2)                             # SPLIT: this program's KV chunk (else 0)
+    if c > last_pos // CHUNK:                        # no row of the tile sees it
+        return
+    head = kvh * G + hg
+    d = tl.arange(0, D)
+    q = tl.load(Q + qrow[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None], other=0.0)
+    # 3. the key walk (shared by every path): the tile's chunks folded, or one chunk's state
     if TMA:
         Kh, Vh = K, V
     else:
         Kh, Vh = K + kvh * stride_kh, V + kvh * stride_vh
-    acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
-                             stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS, D, KV,
-                             PAGE, PAGED, TMA)
+    store = valid
+    if SPLIT:
+        acc, m, l = _attend_chunk(c, q, qpos, seq, seq_len, q0.to(tl.int64), (first_pos + 1) // KV, last_pos // KV + 1,
+                                  Kh, Vh, stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D,
+                                  ROWS, D, KV, CHUNK, PAGE, PAGED, TMA)
+        # a tile of several chunks: its state for _fold_kernel; of one: its output, here
+        several = (qpos * 0 + last_pos) >= CHUNK       # per row (a scalar mask is not one on every backend)
+        _chunk_store(WAcc, WML, c, qrow, head, valid & several, acc, m, l, T, G * tl.num_programs(1),
+                     tl.num_programs(2), D)
+        store = valid & ~several
+    else:
+        acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
+                                 stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS,
+                                 D, KV, CHUNK, PAGE, PAGED, TMA)
     # 4. out = acc / l (IEEE division), rounded to the input dtype
     out = tl.div_rn(acc, l[:, None])
     tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=valid[:, None])
+             out.to(O.dtype.element_ty), mask=store[:, None])
     if STORE_LSE:  # log-sum-exp for the backward's recomputation of p
         tl.store(LSE + qrow * (G * tl.num_programs(1)) + head, m + tl.log2(l), mask=valid)   # base 2
+
+
+@triton.jit
+def _chunk_ptrs(WAcc, WML, c, qrow, head, T, HQ, chunks, D: tl.constexpr):
+    """Where chunk c's fp32 state of rows (token qrow, query head) lies: acc in WAcc [chunks,
+    T, HQ, D], m and l in WML [2, chunks, T, HQ]."""
+    r = (c * T + qrow) * HQ + head
+    return WAcc + r[:, None] * D + tl.arange(0, D)[None, :], WML + r, WML + r + chunks * T * HQ
+
+
+@triton.jit
+def _chunk_store(WAcc, WML, c, qrow, head, valid, acc, m, l, T, HQ, chunks, D: tl.constexpr):
+    pa, pm, pl = _chunk_ptrs(WAcc, WML, c, qrow, head, T, HQ, chunks, D)
+    tl.store(pa, acc, mask=valid[:, None])
+    tl.store(pm, m, mask=valid)
+    tl.store(pl, l, mask=valid)
+
+
+@triton.jit
+def _fold_kernel(O, WAcc, WML, QStart, SeqLen, S, T, chunks, stride_ot, stride_oh, G: tl.constexpr,
+                 TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SB: tl.constexpr):
+    """out of one tile of a split launch whose walk spans several chunks: the chunk states its
+    programs wrote folded in chunk order (_attend_tile's order and instructions), then acc / l.
+    Grid (tile programs, KV heads) as the split launch's first two axes."""
+    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
+    if seq >= S:
+        return
+    q0, qrow, hg, valid, qpos, first_pos, last_pos, seq_len = _tile_setup(seq, tile, QStart, SeqLen, G, TPT,
+                                                                          ROWS, True)
+    if last_pos < CHUNK:                             # one chunk: its program stored the output
+        return
+    head = tl.program_id(1) * G + hg
+    hq = G * tl.num_programs(1)
+    pa, pm, pl = _chunk_ptrs(WAcc, WML, 0, qrow, head, T, hq, chunks, D)
+    acc = tl.load(pa, mask=valid[:, None], other=0.0)
+    m = tl.load(pm, mask=valid, other=0.0)
+    l = tl.load(pl, mask=valid, other=1.0)
+    for c in range(1, last_pos // CHUNK + 1):
+        pa, pm, pl = _chunk_ptrs(WAcc, WML, c, qrow, head, T, hq, chunks, D)
+        acc, m, l = _fold(acc, m, l, tl.load(pa, mask=valid[:, None], other=0.0),
+                          tl.load(pm, mask=valid, other=float("-inf")), tl.load(pl, mask=valid, other=0.0))
+    tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + tl.arange(0, D)[None, :],
+             tl.div_rn(acc, l[:, None]).to(O.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -467,10 +579,17 @@ def _grid_tiles(t, s, unit):
     return triton.cdiv(t, unit) + s, triton.next_power_of_2(max(s, 32))
 
 
-def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None):
+@functools.cache
+def _split_programs(device) -> int:
+    """Paged launches of fewer (tile, KV head) programs than this split by KV chunk."""
+    return _SPLIT_WAVES * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
-    copies of packed K/V on or off (probes only)."""
+    copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
+    tests only: the same bits either way)."""
     g = _check(q, k.shape[-2])
     rows, warps, stages = tile or (*_TILE, _STAGES)
     if g > rows:
@@ -483,20 +602,29 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v need a contiguous head_dim")
     o = torch.empty_like(q)
-    s = len(q_start) - 1
-    programs, sb = _grid_tiles(q.shape[0], s, tpt)
+    s, hkv, (t, hq, d) = len(q_start) - 1, k.shape[-2], q.shape
+    programs, sb = _grid_tiles(t, s, tpt)
     tab = table if paged else q_start
     kr, vr = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
-    d = q.shape[-1]
     tma = not paged and (_FWD_TMA if tma is None else tma) and k.shape[0] > 0 and k.is_contiguous() \
         and v.is_contiguous() and gemm.tma_ready(k.flatten(1), v.flatten(1))
     ka, va = ((gemm.descriptor(c.flatten(1), [KV_BLOCK, d]) for c in (k, v)) if tma else (k, v))
-    _attn_fwd_kernel[(programs, k.shape[-2])](
-        q, ka, va, o, lse if lse is not None else o, q_start, seq_lens if paged else q_start, tab, s,
+    # the chunks a sequence of the table's capacity has: shapes only
+    chunks = triton.cdiv(table.shape[1] * page, KV_CHUNK) if paged else 1
+    if split is None:
+        split = paged and programs * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
+    split = split and paged and chunks > 1 and lse is None
+    wacc, wml = ((torch.empty((chunks, t, hq, d), dtype=torch.float32, device=q.device),
+                  torch.empty((2, chunks, t, hq), dtype=torch.float32, device=q.device)) if split else (o, o))
+    _attn_fwd_kernel[(programs, hkv, chunks if split else 1)](
+        q, ka, va, o, lse if lse is not None else o, wacc, wml, q_start, seq_lens if paged else q_start, tab, s, t,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
-        G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, PAGE=page, PAGED=paged,
-        STORE_LSE=lse is not None, SB=sb, TMA=tma, num_warps=warps, num_stages=stages, **EXACT)
+        G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=page, PAGED=paged,
+        STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, num_warps=warps, num_stages=stages, **EXACT)
+    if split:
+        _fold_kernel[(programs, hkv)](o, wacc, wml, q_start, seq_lens, s, t, chunks, o.stride(0), o.stride(1), G=g,
+                                      TPT=tpt, ROWS=rows, D=d, CHUNK=KV_CHUNK, SB=sb, num_warps=4, **EXACT)
     return o
 
 
