@@ -132,6 +132,8 @@ def decode_cases(model, bw):
         for s in range(b):
             kv.lens[s] = ctx
         ms = _median_ms(graph.replay, 20)
+        if b == 1 and ctx in (1024, 32768):      # the tail's launch chain: kernels a step (48 layers)
+            _print_kernels(graph.replay, f"one B=1 ctx={ctx} decode step (graph replay)", rows=40)
         roof = nbytes / (bw * 1e12) * 1e3
         pct = 100 * roof / ms
         goal = GOALS.get((b, ctx))
@@ -181,9 +183,8 @@ def _wall_ms(fn, reps=3):
     return sorted(times)[len(times) // 2]
 
 
-def _print_top_kernels(fn, what, rows=12):
-    """Where the device time of one eager call goes (kernels by total device time), and its
-    host time (Python functions and ops by self time)."""
+def _print_kernels(fn, what, rows=12):
+    """Where the device time of one call goes: kernels by total device time, with their counts."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -192,6 +193,11 @@ def _print_top_kernels(fn, what, rows=12):
     print(f"# device time of {what}, by kernel:", flush=True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70),
           flush=True)
+
+
+def _print_top_kernels(fn, what, rows=12):
+    """_print_kernels of one eager call, and its host time (Python functions and ops by self time)."""
+    _print_kernels(fn, what, rows)
     _print_host_by_op(fn, what)
 
 

@@ -174,12 +174,13 @@ def test_padded_mixed_batch_is_one_launch_with_exact_no_op_padding(qkv, kv_chunk
 def test_dummy_metadata_reads_inside_the_table_and_cache(kv_chunks):
     """vLLM's capture and memory-profiling dummies: a sequence longer than its table row and
     page ids -1 and past the cache are clamped into the table and the cache (the interpreter
-    reads numpy arrays: no read outside them), and a real request beside them keeps its bits."""
+    reads numpy arrays: no read outside them; split: no chunk state read past the table's
+    capacity), and a real request beside them keeps its bits."""
     page, pages = 16, 6
     q, k, v = rand(4 + 20, HQ, D, seed=7), rand(pages, page, HKV, D, seed=8), rand(pages, page, HKV, D, seed=9)
-    real = torch.tensor([[5, 2, 4]], dtype=torch.int32)
+    real = torch.tensor([[5, 2, 4, 1, 0]], dtype=torch.int32)    # 80 keys: 2 KV chunks of 64 (split)
     one = T.attention_paged(q[:4], k, v, real, torch.tensor([40]), torch.tensor([0, 4]))
-    table = torch.cat([real, torch.tensor([[-1, 10**6, 3]], dtype=torch.int32)])
+    table = torch.cat([real, torch.tensor([[-1, 10**6, 3, 3, 3]], dtype=torch.int32)])
     both = T.attention_paged(q, k, v, table, torch.tensor([40, 300]), torch.tensor([0, 4, 24]))
     assert torch.equal(both[:4], one) and torch.isfinite(both[4:].float()).all()
 

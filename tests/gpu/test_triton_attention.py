@@ -107,17 +107,20 @@ def test_decode_equals_train(qkv, train, split, monkeypatch):
     assert_rows_equal({r: got[r] for r in decoded}, train)
 
 
-def test_dummy_metadata_reads_inside_the_table_and_cache():
+@pytest.mark.parametrize("width", [3, 40])
+def test_dummy_metadata_reads_inside_the_table_and_cache(width):
     """vLLM's capture and memory-profiling dummies (max_model_len not a multiple of the page
     size: the engine crashed with an illegal memory access) give sequences longer than a
     table row and empty or stale tables, on a cache of few pages: the kernel reads inside
-    the table and the cache, and a real request beside them keeps its bits."""
-    page, pages, width = 16, 8, 3                  # rows hold 48 keys; the cache 128
+    the table and the cache, and a real request beside them keeps its bits. Rows of 40 pages
+    (640 keys: two KV chunks) run split (a program per chunk; so small a batch always does):
+    no chunk state is read past the table's capacity either."""
+    page, pages = 16, 8                            # rows hold 16 * width keys; the cache 128
     q, k, v = rand(4 + 100, HQ, D, seed=7), rand(pages, page, HKV, D, seed=8), rand(pages, page, HKV, D, seed=9)
-    real = torch.tensor([[5, 2, 7]], dtype=torch.int32, device=DEV)
+    real = torch.tensor([[5, 2, 7] + [0] * (width - 3)], dtype=torch.int32, device=DEV)
     one = co.attention_paged(q[:4], k, v, real, torch.tensor([40], dtype=torch.int32, device=DEV),
                              torch.tensor([0, 4], dtype=torch.int32, device=DEV))
-    table = torch.cat([real, torch.tensor([[-1, 10**6, 3]], dtype=torch.int32, device=DEV)])
+    table = torch.cat([real, torch.tensor([[-1, 10**6, 3] + [3] * (width - 3)], dtype=torch.int32, device=DEV)])
     both = co.attention_paged(q, k, v, table, torch.tensor([40, 1664], dtype=torch.int32, device=DEV),
                               torch.tensor([0, 4, 104], dtype=torch.int32, device=DEV))
     torch.cuda.synchronize()

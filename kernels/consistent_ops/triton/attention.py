@@ -336,7 +336,9 @@ def _fold_kernel(O, WAcc, WML, QStart, SeqLen, S, T, chunks, stride_ot, stride_o
     acc = tl.load(pa, mask=valid[:, None], other=0.0)
     m = tl.load(pm, mask=valid, other=0.0)
     l = tl.load(pl, mask=valid, other=1.0)
-    for c in range(1, last_pos // CHUNK + 1):
+    # chunks past the table's capacity: only in vLLM's dummy runs (sequences longer than a table
+    # row), whose outputs are never read; no read past the states' buffer
+    for c in range(1, tl.minimum(last_pos // CHUNK + 1, chunks)):
         pa, pm, pl = _chunk_ptrs(WAcc, WML, c, qrow, head, T, hq, chunks, D)
         acc, m, l = _fold(acc, m, l, tl.load(pa, mask=valid[:, None], other=0.0),
                           tl.load(pm, mask=valid, other=float("-inf")), tl.load(pl, mask=valid, other=0.0))
