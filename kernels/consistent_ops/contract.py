@@ -55,10 +55,11 @@ TRITON_TILES = {
         "large": (128, 128, 64, 8, 4, 4, True), "huge": (256, 128, 64, 8, 8, 3, True),
     },
     # (rows of one expert a program, gate_up (BLOCK_N, BLOCK_K, warps, stages), down (same)),
-    # by the number of (token, slot) rows: decode up to decode_rows, interpreter pinned
+    # by the number of (token, slot) rows: decode up to decode_rows, mid up to mid_rows, interpreter pinned
     "moe": {
         "tiles": (128, (128, 64, 8, 4), (256, 64, 8, 3)), "decode": (16, (128, 128, 4, 3), (128, 128, 4, 3)),
-        "decode_rows": 2048, "interpreter": (128, (128, 64, 8, 3), (128, 64, 8, 3)),
+        "decode_rows": 2048, "mid": (64, (128, 64, 4, 4), (256, 64, 8, 3)), "mid_rows": 8192,
+        "interpreter": (128, (128, 64, 8, 3), (128, 64, 8, 3)),
     },
     "attention": {
         "forward": (64, 4, 3),              # (rows = (token, query head) pairs, warps, stages)
@@ -175,8 +176,8 @@ ACCUMULATION = {
             "the program count (BLOCK_M 16..256, BLOCK_N 16..256, BLOCK_K 64/128, pointer or CUDA TMA "
             "loads; the CPU interpreter pins one shape), all shapes giving identical bits on the H200; "
             "MoE experts: the same walk over one expert's rows (gate/up fp32, rounded, SiLU*up; down "
-            "fp32 times the routing weight), a 16-row tile up to 2048 (token, slot) rows and a 128-row tile "
-            "above, both giving identical bits on the H200; "
+            "fp32 times the routing weight), a 16-row tile up to 2048 (token, slot) rows, a 64-row tile up to "
+            "8192 and a 128-row tile above, all giving identical bits on the H200; "
             "attention: softmax base 2, p rounded to the value dtype for contract_dot(p, v), acc*a fed as "
             "the MMA accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every "
             "path; a tile's KV chunks folded in its program, or (small paged batches) one program per "

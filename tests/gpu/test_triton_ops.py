@@ -211,13 +211,14 @@ def test_moe_rows_across_tile_configs(moe):
     x = rand(8192, H, seed=23)
     ids, w = co.moe_route(x, gate, TOPK)
     full, _ = co.moe_expert_contributions(x, ids, w, experts)
-    for lo, hi in ((0, 1), (0, 64), (0, 256), (0, 257), (0, 2048), (100, 5100), (8000, 8192)):   # decode tile <= 256
+    # decode tile <= 256 tokens, mid <= 1024
+    for lo, hi in ((0, 1), (0, 64), (0, 256), (0, 257), (0, 1024), (0, 1025), (0, 2048), (100, 5100), (8000, 8192)):
         assert torch.equal(co.moe_expert_contributions(x[lo:hi], ids[lo:hi], w[lo:hi], experts)[0], full[lo:hi])
     gate_up = torch.stack([torch.cat(experts[e][:2]) for e in range(E)])
     wd = torch.stack([experts[e][2] for e in range(E)])
     stack = co.ExpertStack(gate_up, wd, range(E))       # the model's stacked layout: same bits
     assert torch.equal(co.moe_expert_contributions(x[:300], ids[:300], w[:300], stack)[0], full[:300])
-    for cfg in (tmoe._TILES, tmoe._DECODE, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
+    for cfg in (tmoe._TILES, tmoe._DECODE, tmoe._MID, tmoe._INTERP, (64, tmoe._opts(64, 64, 4, 4), tmoe._opts(128, 64, 4, 3))):
         got = tmoe._grouped_kernel(x[:3000], w[:3000], gate_up, wd, ids=ids[:3000], local=list(range(E)), cfg=cfg)
         assert torch.equal(got[0], full[:3000]), cfg[0]
 

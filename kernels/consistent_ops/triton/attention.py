@@ -77,7 +77,11 @@ _LOG2E = 1.4426950408889634
 # Paged batches of fewer programs than this many per SM run one program per KV chunk, if the
 # chunks' fp32 states fit _SPLIT_BYTES (sized by the table's capacity: shapes only, so CUDA
 # graphs replay the same grid). The split changes no bit; it fills the GPU in the decode tail.
-_SPLIT_WAVES, _SPLIT_BYTES = 4, 256 << 20
+# H200 (bench_triton decode, both launches timed, 2026-12-02), programs = (tiles + S) x KV heads:
+# B=1 / 4 x 32k (8 / 20 programs) split 18 / 36 % of the HBM roofline vs 2 / 6 % unsplit, B=32 x
+# 16k (144) 61 vs 44 %, B=64 x 8k (288) 63 vs 79 %, B=128 x 4k (576) 79 % unsplit: split below 2
+# programs an SM (264).
+_SPLIT_WAVES, _SPLIT_BYTES = 2, 256 << 20
 
 
 @triton.jit

@@ -44,6 +44,9 @@ _T = TRITON_TILES["moe"]
 _TILES = _tile_set(*_T["tiles"])          # fastest or within 3% at T 1024..8192
 _DECODE = _tile_set(*_T["decode"])        # decode: a few rows per expert
 _DECODE_ROWS = _T["decode_rows"]          # up to 256 tokens x top-8
+# 257..1024 tokens x top-8 (a rollout's body): BM64 0.38-0.47 ms vs 0.50-0.57 for BM128 and
+# 0.43-0.69 for BM16 (H200, probe_moe, 2026-12-02, T 512 / 1024)
+_MID, _MID_ROWS = _tile_set(*_T["mid"]), _T["mid_rows"]
 _INTERP = _tile_set(*_T["interpreter"])   # CPU interpreter; also the fallback widths
 
 
@@ -52,7 +55,7 @@ def _moe_config(rows):
     16-row tile streams its weights without 128-row MMAs of padding."""
     if _INTERPRET or _ASCEND:   # one pinned tile: the interpreter's numpy dots; Ascend's cube order
         return _INTERP
-    return _DECODE if rows <= _DECODE_ROWS else _TILES
+    return _DECODE if rows <= _DECODE_ROWS else _MID if rows <= _MID_ROWS else _TILES
 
 
 _SOFTMAX_WARPS = 4
