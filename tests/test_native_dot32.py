@@ -196,3 +196,22 @@ def test_threads_split_whole_outputs():
     finally:
         torch.set_num_threads(old)
     assert all(torch.equal(r, o) for out in outs[1:] for r, o in zip(outs[0], out))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_prologue_equals_the_ops(name, dtype, monkeypatch):
+    """co.attention_prologue (one native call: q/k/v projections, per-head q/k RMSNorm, RoPE) gives
+    the bits of linear, rms_norm and apply_rope run one by one, prefill and decode row counts."""
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
+    wq, wk, wv = (_x(n, 256, seed=s, dtype=dtype) / 8 for n, s in ((256, 30), (128, 31), (128, 32)))
+    nq, nk = (1 + _x(64, seed=s, dtype=dtype) / 4 for s in (33, 34))
+    for t in (1, 37):
+        x = _x(t, 256, seed=35, dtype=dtype)
+        cos, sin = co.rope_cos_sin(torch.arange(t) * 7, 64, 1e6)
+        with torch.inference_mode():
+            fused = co.attention_prologue(x, wq, wk, wv, nq, nk, 1e-6, cos, sin, 64)
+            q, k = (co.apply_rope(co.rms_norm(co.linear(x, w).view(t, -1, 64), n, 1e-6), cos, sin)
+                    for w, n in ((wq, nq), (wk, nk)))
+            ops = (q, k, co.linear(x, wv).view(t, -1, 64))
+        assert all(torch.equal(f, o) for f, o in zip(fused, ops))

@@ -33,6 +33,14 @@ def linear(x, weight, bias=None, out_dtype=None):
     return get_backend().linear(x, weight, bias, out_dtype)
 
 
+def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
+    """q/k/v [T, heads, head_dim] of attention without bias: q = apply_rope(rms_norm(linear(x, wq)) per
+    head), k likewise, v = linear(x, wv), in one call where the backend has one for these tensors (the
+    reference backend on CPU inference: the same bits as those ops); None otherwise (run the ops)."""
+    fused = getattr(get_backend(), "attention_prologue", None)
+    return fused(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim) if fused else None
+
+
 def row_parallel_partial(x_shard, w_shard):
     return get_backend().row_parallel_partial(x_shard, w_shard)
 

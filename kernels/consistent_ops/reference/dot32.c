@@ -747,3 +747,35 @@ int write_kv(int64_t T, int64_t Hkv, int64_t D, int64_t esize, const char *key, 
     }
     return 0;
 }
+
+/* The attention prologue of models/qwen3.py Attention.qkv in one call (CPU inference, fp32/bf16
+ * realisations): for x [T, H] (rows contiguous, row stride sx) and weights w [n*D, H] (row stride
+ * sw each), q = rope(rms_norm(dt(contract_dot(x, wq rows)) per head of D, nq)), k likewise with wk,
+ * nk, and v = dt(contract_dot(x, wv rows)): the calls the ops make one by one (dot32p / dot32 as
+ * native.matmul picks them, rms_norm_rows32, rope_rows), so the same bits. Outputs contiguous
+ * q [T, hq, D], k, v [T, hkv, D]. Returns 0, or -1 when out of memory. */
+int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, int dt, const char *x, int64_t sx,
+                    const char *wq, const char *wk, const char *wv, int64_t sw, const char *nq, const char *nk,
+                    float eps, const float *cos, const float *sin, int pairs, char *q, char *k, char *v) {
+    const int64_t e = ELEM[dt], wide = (hq > hkv ? hq : hkv) * D;
+    float *acc = malloc((size_t)(T * wide) * sizeof(float) + 64);
+    char *rounded = malloc((size_t)(2 * T * wide * e) + 64), *normed = rounded + T * wide * e;
+    const char *w[3] = {wq, wk, wv}, *nw[3] = {nq, nk, NULL};
+    char *out[3] = {q, k, v};
+    const int64_t heads[3] = {hq, hkv, hkv};
+    int rc = acc && rounded ? 0 : -1;
+    for (int i = 0; i < 3 && !rc; i++) {
+        const int64_t n = heads[i] * D;
+        const int64_t shape[6] = {1, 1, 1, T, n, H}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
+        rc = (pairs ? dot32p : dot32)(shape, x, dt, sa, w[i], dt, sb, NULL, acc);
+        if (rc) break;
+        char *dst = nw[i] ? rounded : out[i];
+        for (int64_t j = 0; j < T * n; j++) store_act(dst, dt, j, acc[j]);        /* linear's .to(dt) */
+        if (!nw[i]) continue;
+        rms_norm_rows32(T * heads[i], D, dt, rounded, D, NULL, 0, nw[i], eps, normed, NULL);
+        rope_rows(T, heads[i], D, dt, normed, cos, sin, out[i]);
+    }
+    free(acc);
+    free(rounded);
+    return rc;
+}

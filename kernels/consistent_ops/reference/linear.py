@@ -1,7 +1,8 @@
 """Batch-invariant linear and its tensor-parallel row-parallel form."""
 import torch
 
-from .core import matmul32, to64, weight64
+from . import native
+from .core import matmul32, recording, to64, weight64
 
 
 def linear(x, weight, bias=None, out_dtype=None):
@@ -32,3 +33,15 @@ def finish_row_parallel(total, bias=None, out_dtype=torch.bfloat16):
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
+    """consistent_ops.attention_prologue on CPU inference in the fp32/bf16 realisations: one native
+    call running the same kernels as linear, rms_norm and apply_rope one by one (the same bits);
+    None elsewhere (the caller runs those ops)."""
+    ts = (x, wq, wk, wv, q_norm, k_norm)
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in native.ACTIVATIONS
+            or any(t.dtype != x.dtype for t in ts) or cos.shape != sin.shape or cos.shape != (x.shape[0], head_dim // 2)
+            or native.accumulation() == "fp64" or recording(*ts, cos, sin)):
+        return None
+    return native.attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos.float(), sin.float(), head_dim)

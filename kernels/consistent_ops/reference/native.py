@@ -102,6 +102,9 @@ def library():
             lib.paged_tokens.restype = ctypes.c_int
             lib.write_kv.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p, p, i64, i64]
             lib.write_kv.restype = ctypes.c_int
+            lib.attn_prologue32.argtypes = [i64, i64, i64, i64, i64, ctypes.c_int, p, i64, p, p, p, i64, p, p,
+                                            ctypes.c_float, p, p, ctypes.c_int, p, p, p]
+            lib.attn_prologue32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -328,3 +331,19 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping):
                           value_cache.data_ptr(), _int64s(key_cache.stride()), slots.data_ptr(), key_cache.shape[0],
                           key_cache.shape[1]):
         raise IndexError(f"write_kv_cache: a slot falls past the cache's {key_cache.shape[0]} pages")
+
+
+def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
+    """reference/linear.py attention_prologue in one call (dot32.c attn_prologue32): x [T, H] and
+    the weights of one ACTIVATIONS dtype, fp32 cos/sin [T, D/2]; the fp32/bf16 realisations. No autograd."""
+    t, d = x.shape[0], head_dim
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    wq, wk, wv, q_norm, k_norm, cos, sin = (w.contiguous() for w in (wq, wk, wv, q_norm, k_norm, cos, sin))
+    q = torch.empty(t, wq.shape[0] // d, d, dtype=x.dtype)
+    k, v = (torch.empty(t, wk.shape[0] // d, d, dtype=x.dtype) for _ in range(2))
+    if library().attn_prologue32(t, x.shape[1], d, q.shape[1], k.shape[1], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                 wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wq.stride(0), q_norm.data_ptr(),
+                                 k_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), int(_kernel(x, wq) == "32p"),
+                                 q.data_ptr(), k.data_ptr(), v.data_ptr()):
+        raise MemoryError("consistent_ops attention_prologue: out of memory for its buffers")
+    return q, k, v

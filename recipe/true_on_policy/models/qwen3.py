@@ -42,9 +42,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         self.head_dim = d
+        self.fused_prologue = False   # the rollout's plain modules (vllm/model.py): co.attention_prologue
 
     def qkv(self, x, rope):
         """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
+        if self.fused_prologue and self.q_proj.bias is None:
+            out = co.attention_prologue(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                        self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
+                                        self.head_dim)
+            if out is not None:
+                return out
         t, d = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(t, -1, d))
         k = self.k_norm(self.k_proj(x).view(t, -1, d))
