@@ -200,18 +200,20 @@ def test_threads_split_whole_outputs():
 
 @pytest.mark.parametrize("name", ["fp32", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_prologue_equals_the_ops(name, dtype, monkeypatch):
-    """co.attention_prologue (one native call: q/k/v projections, per-head q/k RMSNorm, RoPE) gives
-    the bits of linear, rms_norm and apply_rope run one by one, prefill and decode row counts."""
+def test_fused_calls_equal_the_ops(name, dtype, monkeypatch):
+    """co.attention_prologue (q/k/v projections, per-head q/k RMSNorm, RoPE) and co.linear_add_rms_norm
+    (o_proj, residual add, RMSNorm), each one native call, give the bits of linear, rms_norm,
+    apply_rope and add_rms_norm run one by one, at prefill and decode row counts."""
     monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
     wq, wk, wv = (_x(n, 256, seed=s, dtype=dtype) / 8 for n, s in ((256, 30), (128, 31), (128, 32)))
-    nq, nk = (1 + _x(64, seed=s, dtype=dtype) / 4 for s in (33, 34))
+    nq, nk, nw = (1 + _x(n, seed=s, dtype=dtype) / 4 for n, s in ((64, 33), (64, 34), (256, 36)))
     for t in (1, 37):
-        x = _x(t, 256, seed=35, dtype=dtype)
+        x, res = _x(t, 256, seed=35, dtype=dtype), _x(t, 256, seed=37, dtype=dtype)
         cos, sin = co.rope_cos_sin(torch.arange(t) * 7, 64, 1e6)
         with torch.inference_mode():
-            fused = co.attention_prologue(x, wq, wk, wv, nq, nk, 1e-6, cos, sin, 64)
+            fused = (*co.attention_prologue(x, wq, wk, wv, nq, nk, 1e-6, cos, sin, 64),
+                     *co.linear_add_rms_norm(x, wq, res, nw, 1e-6))
             q, k = (co.apply_rope(co.rms_norm(co.linear(x, w).view(t, -1, 64), n, 1e-6), cos, sin)
                     for w, n in ((wq, nq), (wk, nk)))
-            ops = (q, k, co.linear(x, wv).view(t, -1, 64))
-        assert all(torch.equal(f, o) for f, o in zip(fused, ops))
+            ops = (q, k, co.linear(x, wv).view(t, -1, 64), *co.add_rms_norm(co.linear(x, wq), res, nw, 1e-6))
+        assert len(fused) == len(ops) and all(torch.equal(f, o) for f, o in zip(fused, ops))

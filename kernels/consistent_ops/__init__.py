@@ -41,6 +41,13 @@ def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
     return fused(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim) if fused else None
 
 
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+    """add_rms_norm(linear(x, weight), residual, norm_weight, eps) (no bias): (normed, the new residual)
+    in one call where the backend has one for these tensors (the same bits as those ops); None otherwise."""
+    fused = getattr(get_backend(), "linear_add_rms_norm", None)
+    return fused(x, weight, residual, norm_weight, eps) if fused else None
+
+
 def row_parallel_partial(x_shard, w_shard):
     return get_backend().row_parallel_partial(x_shard, w_shard)
 

@@ -779,3 +779,23 @@ int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, in
     free(rounded);
     return rc;
 }
+
+/* A linear layer rounded to dt, then reference/norm.py add_rms_norm of it and the residual, in one
+ * call (CPU inference, fp32/bf16 realisations): y = dt(contract_dot(x row, w rows)) [T, N] (x row
+ * stride sx, w [N, K] row stride sw), then rms_norm_rows32(y, res, nw): out = RMSNorm(y + res),
+ * res_out = y + res (in dt). The calls linear and add_rms_norm make one by one, so the same bits.
+ * Returns 0, or -1 when out of memory. */
+int linear_add_norm32(int64_t T, int64_t K, int64_t N, int dt, const char *x, int64_t sx, const char *w, int64_t sw,
+                      const char *res, int64_t sres, const char *nw, float eps, int pairs, char *out, char *res_out) {
+    float *acc = malloc((size_t)(T * N) * sizeof(float) + 64);
+    char *y = malloc((size_t)(T * N * ELEM[dt]) + 64);
+    const int64_t shape[6] = {1, 1, 1, T, N, K}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
+    int rc = acc && y ? (pairs ? dot32p : dot32)(shape, x, dt, sa, w, dt, sb, NULL, acc) : -1;
+    if (!rc) {
+        for (int64_t j = 0; j < T * N; j++) store_act(y, dt, j, acc[j]);            /* linear's .to(dt) */
+        rms_norm_rows32(T, N, dt, y, N, res, sres, nw, eps, out, res_out);
+    }
+    free(acc);
+    free(y);
+    return rc;
+}

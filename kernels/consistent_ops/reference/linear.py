@@ -35,13 +35,26 @@ def finish_row_parallel(total, bias=None, out_dtype=torch.bfloat16):
     return out.to(out_dtype)
 
 
+def _fusable(x, *tensors):
+    """Whether a fused native call runs for these operands: CPU inference in the fp32/bf16
+    realisations, a 2-D x and every tensor of x's ACTIVATIONS dtype."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.dtype in native.ACTIVATIONS
+            and all(t.dtype == x.dtype for t in tensors) and native.accumulation() != "fp64"
+            and not recording(x, *tensors))
+
+
 def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
-    """consistent_ops.attention_prologue on CPU inference in the fp32/bf16 realisations: one native
-    call running the same kernels as linear, rms_norm and apply_rope one by one (the same bits);
-    None elsewhere (the caller runs those ops)."""
-    ts = (x, wq, wk, wv, q_norm, k_norm)
-    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in native.ACTIVATIONS
-            or any(t.dtype != x.dtype for t in ts) or cos.shape != sin.shape or cos.shape != (x.shape[0], head_dim // 2)
-            or native.accumulation() == "fp64" or recording(*ts, cos, sin)):
+    """consistent_ops.attention_prologue in one native call where _fusable: the same kernels as
+    linear, rms_norm and apply_rope one by one (the same bits); None elsewhere (the caller runs those ops)."""
+    if (not _fusable(x, wq, wk, wv, q_norm, k_norm) or cos.shape != sin.shape
+            or cos.shape != (x.shape[0], head_dim // 2) or recording(cos, sin)):
         return None
     return native.attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos.float(), sin.float(), head_dim)
+
+
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+    """consistent_ops.linear_add_rms_norm in one native call where _fusable: the kernels of linear and
+    add_rms_norm one by one (the same bits); None elsewhere."""
+    if not _fusable(x, weight, residual, norm_weight) or residual.shape != (x.shape[0], weight.shape[0]):
+        return None
+    return native.linear_add_rms_norm(x, weight, residual, norm_weight, eps)

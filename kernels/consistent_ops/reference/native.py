@@ -105,6 +105,9 @@ def library():
             lib.attn_prologue32.argtypes = [i64, i64, i64, i64, i64, ctypes.c_int, p, i64, p, p, p, i64, p, p,
                                             ctypes.c_float, p, p, ctypes.c_int, p, p, p]
             lib.attn_prologue32.restype = ctypes.c_int
+            lib.linear_add_norm32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, i64, p, i64, p, ctypes.c_float,
+                                              ctypes.c_int, p, p]
+            lib.linear_add_norm32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -347,3 +350,18 @@ def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
                                  q.data_ptr(), k.data_ptr(), v.data_ptr()):
         raise MemoryError("consistent_ops attention_prologue: out of memory for its buffers")
     return q, k, v
+
+
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+    """reference/linear.py linear_add_rms_norm in one call (dot32.c linear_add_norm32): x [T, K],
+    weight [N, K], residual [T, N], all of one ACTIVATIONS dtype; the fp32/bf16 realisations.
+    Returns (RMSNorm(y + residual), y + residual), y = linear(x, weight). No autograd."""
+    x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+    weight, norm_weight = weight.contiguous(), norm_weight.contiguous()
+    out, res_out = (torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype) for _ in range(2))
+    if library().linear_add_norm32(x.shape[0], x.shape[1], weight.shape[0], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                   weight.data_ptr(), weight.stride(0), residual.data_ptr(), residual.stride(0),
+                                   norm_weight.data_ptr(), eps, int(_kernel(x, weight) == "32p"), out.data_ptr(),
+                                   res_out.data_ptr()):
+        raise MemoryError("consistent_ops linear_add_rms_norm: out of memory for its buffers")
+    return out, res_out

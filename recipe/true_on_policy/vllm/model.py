@@ -61,7 +61,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
                 scale=attention_scale(cfg.head_dim), num_kv_heads=cfg.num_kv_heads // tp.size,
                 cache_config=vllm_config.cache_config, prefix=f"model.layers.{i}.self_attn.attn",
                 attn_backend=ConsistentAttentionBackend)
-            layer.self_attn.fused_prologue = True   # plain modules here (no trainer hooks or adapters)
+            layer.self_attn.fused = True   # plain modules here (no trainer wrappers or adapters)
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
