@@ -203,11 +203,12 @@ def test_threads_split_whole_outputs():
 def test_fused_calls_equal_the_ops(name, dtype, monkeypatch):
     """co.attention_prologue (q/k/v projections, per-head q/k RMSNorm, RoPE) and co.linear_add_rms_norm
     (o_proj, residual add, RMSNorm), each one native call, give the bits of linear, rms_norm,
-    apply_rope and add_rms_norm run one by one, at prefill and decode row counts."""
+    apply_rope and add_rms_norm run one by one, at decode and prefill row counts (300: the fused calls
+    take rows in chunks of 128)."""
     monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
     wq, wk, wv = (_x(n, 256, seed=s, dtype=dtype) / 8 for n, s in ((256, 30), (128, 31), (128, 32)))
     nq, nk, nw = (1 + _x(n, seed=s, dtype=dtype) / 4 for n, s in ((64, 33), (64, 34), (256, 36)))
-    for t in (1, 37):
+    for t in (1, 37, 300):
         x, res = _x(t, 256, seed=35, dtype=dtype), _x(t, 256, seed=37, dtype=dtype)
         cos, sin = co.rope_cos_sin(torch.arange(t) * 7, 64, 1e6)
         with torch.inference_mode():

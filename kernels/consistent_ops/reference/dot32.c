@@ -689,7 +689,8 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
  * out[i] = dt(x1 * c - x2 * s), out[i + D/2] = dt(x2 * c + x1 * s), each product and sum one IEEE fp32
  * operation (no FMA: -ffp-contract=off), i.e. reference/pointwise.py apply_rope's torch steps. Any
  * realisation: these bits never depended on it. */
-void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const float *cos, const float *sin, char *out) {
+static inline __attribute__((always_inline)) void rope_rows_dt(int64_t T, int64_t Hh, int64_t D, const int dt,
+                                                               const char *x, const float *cos, const float *sin, char *out) {
     const int64_t e = ELEM[dt], half = D / 2;
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < Hh; h++) {
@@ -702,6 +703,12 @@ void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const fl
                 store_act(o, dt, i + half, x2 * c[i] + x1 * s[i]);
             }
         }
+}
+
+/* rope_rows_dt inlined once per dtype: no dtype branch in the loop, so it vectorises. */
+void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const float *cos, const float *sin, char *out) {
+    if (dt == BF16) rope_rows_dt(T, Hh, D, BF16, x, cos, sin, out);
+    else rope_rows_dt(T, Hh, D, F32, x, cos, sin, out);
 }
 
 /* The K/V offsets of a paged cache for attend32/attend64 (any realisation): token[s, pos] =
@@ -748,6 +755,20 @@ int write_kv(int64_t T, int64_t Hkv, int64_t D, int64_t esize, const char *key, 
     return 0;
 }
 
+/* dst = dt(src) for n values (a linear's .to(dt)), inlined per dtype so that the loop vectorises. */
+static inline __attribute__((always_inline)) void round_rows_dt(const float *src, const int dt, int64_t n, char *dst) {
+    for (int64_t j = 0; j < n; j++) store_act(dst, dt, j, src[j]);
+}
+
+static void round_rows(const float *src, int dt, int64_t n, char *dst) {
+    if (dt == BF16) round_rows_dt(src, BF16, n, dst);
+    else round_rows_dt(src, F32, n, dst);
+}
+
+/* Rows per chunk of the fused calls below: their buffers stay small (no page faults from fresh
+ * allocations at prefill) and in L2; every output is computed alone, so chunks change no bit. */
+enum { FUSED_ROWS = 128 };
+
 /* The attention prologue of models/qwen3.py Attention.qkv in one call (CPU inference, fp32/bf16
  * realisations): for x [T, H] (rows contiguous, row stride sx) and weights w [n*D, H] (row stride
  * sw each), q = rope(rms_norm(dt(contract_dot(x, wq rows)) per head of D, nq)), k likewise with wk,
@@ -757,23 +778,28 @@ int write_kv(int64_t T, int64_t Hkv, int64_t D, int64_t esize, const char *key, 
 int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, int dt, const char *x, int64_t sx,
                     const char *wq, const char *wk, const char *wv, int64_t sw, const char *nq, const char *nk,
                     float eps, const float *cos, const float *sin, int pairs, char *q, char *k, char *v) {
-    const int64_t e = ELEM[dt], wide = (hq > hkv ? hq : hkv) * D;
-    float *acc = malloc((size_t)(T * wide) * sizeof(float) + 64);
-    char *rounded = malloc((size_t)(2 * T * wide * e) + 64), *normed = rounded + T * wide * e;
+    const int64_t e = ELEM[dt], wide = (hq > hkv ? hq : hkv) * D, half = D / 2;
+    float *acc = malloc((size_t)(FUSED_ROWS * wide) * sizeof(float));
+    char *rounded = malloc((size_t)(2 * FUSED_ROWS * wide * e)), *normed = rounded + FUSED_ROWS * wide * e;
     const char *w[3] = {wq, wk, wv}, *nw[3] = {nq, nk, NULL};
     char *out[3] = {q, k, v};
     const int64_t heads[3] = {hq, hkv, hkv};
     int rc = acc && rounded ? 0 : -1;
-    for (int i = 0; i < 3 && !rc; i++) {
-        const int64_t n = heads[i] * D;
-        const int64_t shape[6] = {1, 1, 1, T, n, H}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
-        rc = (pairs ? dot32p : dot32)(shape, x, dt, sa, w[i], dt, sb, NULL, acc);
-        if (rc) break;
-        char *dst = nw[i] ? rounded : out[i];
-        for (int64_t j = 0; j < T * n; j++) store_act(dst, dt, j, acc[j]);        /* linear's .to(dt) */
-        if (!nw[i]) continue;
-        rms_norm_rows32(T * heads[i], D, dt, rounded, D, NULL, 0, nw[i], eps, normed, NULL);
-        rope_rows(T, heads[i], D, dt, normed, cos, sin, out[i]);
+    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
+        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
+        for (int i = 0; i < 3 && !rc; i++) {
+            const int64_t n = heads[i] * D;
+            const int64_t shape[6] = {1, 1, 1, tr, n, H}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
+            rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * e, dt, sa, w[i], dt, sb, NULL, acc);
+            if (rc) break;
+            if (!nw[i]) {
+                round_rows(acc, dt, tr * n, out[i] + t0 * n * e);                     /* linear's .to(dt) */
+                continue;
+            }
+            round_rows(acc, dt, tr * n, rounded);
+            rms_norm_rows32(tr * heads[i], D, dt, rounded, D, NULL, 0, nw[i], eps, normed, NULL);
+            rope_rows(tr, heads[i], D, dt, normed, cos + t0 * half, sin + t0 * half, out[i] + t0 * n * e);
+        }
     }
     free(acc);
     free(rounded);
@@ -787,13 +813,17 @@ int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, in
  * Returns 0, or -1 when out of memory. */
 int linear_add_norm32(int64_t T, int64_t K, int64_t N, int dt, const char *x, int64_t sx, const char *w, int64_t sw,
                       const char *res, int64_t sres, const char *nw, float eps, int pairs, char *out, char *res_out) {
-    float *acc = malloc((size_t)(T * N) * sizeof(float) + 64);
-    char *y = malloc((size_t)(T * N * ELEM[dt]) + 64);
-    const int64_t shape[6] = {1, 1, 1, T, N, K}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
-    int rc = acc && y ? (pairs ? dot32p : dot32)(shape, x, dt, sa, w, dt, sb, NULL, acc) : -1;
-    if (!rc) {
-        for (int64_t j = 0; j < T * N; j++) store_act(y, dt, j, acc[j]);            /* linear's .to(dt) */
-        rms_norm_rows32(T, N, dt, y, N, res, sres, nw, eps, out, res_out);
+    const int64_t e = ELEM[dt];
+    float *acc = malloc((size_t)(FUSED_ROWS * N) * sizeof(float));
+    char *y = malloc((size_t)(FUSED_ROWS * N * e));
+    int rc = acc && y ? 0 : -1;
+    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
+        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
+        const int64_t shape[6] = {1, 1, 1, tr, N, K}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
+        rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * e, dt, sa, w, dt, sb, NULL, acc);
+        if (rc) break;
+        round_rows(acc, dt, tr * N, y);                                               /* linear's .to(dt) */
+        rms_norm_rows32(tr, N, dt, y, N, res + t0 * sres * e, sres, nw, eps, out + t0 * N * e, res_out + t0 * N * e);
     }
     free(acc);
     free(y);
