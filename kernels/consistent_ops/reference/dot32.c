@@ -609,26 +609,50 @@ int attend32p(const int64_t *dims, const char *Q, int tq, const int64_t *qs, con
  * contiguous): g = gate (fp32), e = exp32(-g) by exp32_rows (the attention's fp64 polynomial, rounded
  * to fp32), out = dt(g / (1 + e) * up), each step one IEEE fp32 operation (contract CPU_ACCUMULATION
  * "silu_mul"). reference/pointwise.py's torch steps spell the same with torch.exp in fp64. */
-int silu_mul32(int64_t R, int64_t C, int dt, const char *gate, int64_t sg, const char *up, int64_t su, char *out) {
+static inline __attribute__((always_inline)) void silu_rows_dt(int64_t R, int64_t C, const int dt, const char *gate,
+                                                               int64_t sg, const char *up, int64_t su, char *out, float *g) {
     const int64_t e = ELEM[dt];
-    float *g = scratch_bytes((size_t)(2 * C) * sizeof(float)), *ex = g + C;
-    if (!g) return -1;
+    float *ex = g + C;
     for (int64_t r = 0; r < R; r++) {
         const char *gr = gate + r * sg * e, *ur = up + r * su * e;
         for (int64_t i = 0; i < C; i++) { g[i] = load_act(gr, dt, i); ex[i] = -g[i]; }
         exp32_rows(ex, ex, C);
         for (int64_t i = 0; i < C; i++) store_act(out + r * C * e, dt, i, g[i] / (1.0f + ex[i]) * load_act(ur, dt, i));
     }
+}
+
+/* silu_rows_dt inlined once per dtype: no dtype branch in the loops, so they vectorise. */
+int silu_mul32(int64_t R, int64_t C, int dt, const char *gate, int64_t sg, const char *up, int64_t su, char *out) {
+    float *g = scratch_bytes((size_t)(2 * C) * sizeof(float));
+    if (!g) return -1;
+    if (dt == BF16) silu_rows_dt(R, C, BF16, gate, sg, up, su, out, g);
+    else silu_rows_dt(R, C, F32, gate, sg, up, su, out, g);
     return 0;
 }
+
+/* dst = dt(src) for n values (a linear's .to(dt)), inlined per dtype so that the loop vectorises. */
+static inline __attribute__((always_inline)) void round_rows_dt(const float *src, const int dt, int64_t n, char *dst) {
+    for (int64_t j = 0; j < n; j++) store_act(dst, dt, j, src[j]);
+}
+
+static void round_rows(const float *src, int dt, int64_t n, char *dst) {
+    if (dt == BF16) round_rows_dt(src, BF16, n, dst);
+    else round_rows_dt(src, F32, n, dst);
+}
+
+/* Rows per chunk of moe_experts32 and the fused calls at the end of this file: their buffers stay
+ * small (a prefill's multi-MB allocations page-faulted on every call) and in L2; every output is
+ * computed alone, so chunks change no bit. */
+enum { FUSED_ROWS = 128 };
 
 /* The MoE experts of reference/moe.py moe_expert_contributions without autograd, in one call:
  * for each local expert le (global id e0 + le) its (token, slot) pairs p (p = token * k + slot,
  * ascending), x rows gathered; gu = dt(contract_dot(x row, gate_up rows)) [2I]; h = silu_mul32(gu[:I],
  * gu[I:]); contrib[p] = contract_dot(h, down rows) [H] * wts[p] (fp32), owned[p] = 1; pairs routed
  * to no local expert: contrib 0, owned 0. Every dot is dot32p's (pairs) or dot32's, so each value
- * has the bits of the batched torch path, which computes the same dots of the same rows.
- * Stack strides {expert, n, k} in elements. Returns 0, or -1 when out of memory. */
+ * has the bits of the batched torch path, which computes the same dots of the same rows (here in
+ * chunks of FUSED_ROWS pairs). Stack strides {expert, n, k} in elements. Returns 0, or -1 when out
+ * of memory. */
 int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char *x, int64_t sx,
                   const int64_t *ids, const float *wts, int64_t e0, int64_t ne, const char *gu, const int64_t *sgu,
                   const char *dn, const int64_t *sdn, int pairs, float *contrib, uint8_t *owned) {
@@ -655,29 +679,32 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
             if (owned[p]) list[fill[ids[p] - e0]++] = p;              /* ascending p within each expert */
     }
     const int nt = threads_for((double)TK * 3 * I * H);
+    const int64_t rows = most < FUSED_ROWS ? most : FUSED_ROWS;   /* an expert's pairs in chunks of rows */
     if (!rc)
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : rc)
     {   /* each thread the experts whose first pair falls in its share of the pairs, with its own buffers */
-    char *xa = malloc((size_t)(most * H * e + 64)), *gd = malloc((size_t)(most * 2 * I * e + 64));
-    char *h = malloc((size_t)(most * I * e + 64));
-    float *g = malloc((size_t)(most * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
+    char *xa = malloc((size_t)(rows * H * e + 64)), *gd = malloc((size_t)(rows * 2 * I * e + 64));
+    char *h = malloc((size_t)(rows * I * e + 64));
+    float *g = malloc((size_t)(rows * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
     int64_t lo, hi;
     share(TK, 1, &lo, &hi);
     rc |= !(xa && gd && h && g) ? -1 : 0;
     for (int64_t le = 0; le < ne && !rc; le++) {
-        const int64_t n = start[le + 1] - start[le], *pl = list + start[le];
-        if (!n || start[le] < lo || start[le] >= hi) continue;
-        for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
-        const int64_t shape1[6] = {1, 1, 1, n, 2 * I, H}, sa1[5] = {0, 0, 0, H, 1}, sb1[5] = {0, 0, 0, sgu[1], sgu[2]};
-        rc = dot(shape1, xa, dt, sa1, gu + le * sgu[0] * e, dt, sb1, NULL, g);
-        if (rc) break;
-        for (int64_t i = 0; i < n * 2 * I; i++) store_act(gd, dt, i, g[i]);            /* gu rounded to dt */
-        rc = silu_mul32(n, I, dt, gd, 2 * I, gd + I * e, 2 * I, h);
-        if (rc) break;
-        const int64_t shape2[6] = {1, 1, 1, n, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, sdn[1], sdn[2]};
-        rc = dot(shape2, h, dt, sa2, dn + le * sdn[0] * e, dt, sb2, NULL, g);
-        for (int64_t i = 0; i < n && !rc; i++)
-            for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = g[i * H + c] * wts[pl[i]];
+        if (start[le + 1] == start[le] || start[le] < lo || start[le] >= hi) continue;
+        for (int64_t i0 = start[le]; i0 < start[le + 1] && !rc; i0 += rows) {
+            const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
+            for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
+            const int64_t shape1[6] = {1, 1, 1, n, 2 * I, H}, sa1[5] = {0, 0, 0, H, 1}, sb1[5] = {0, 0, 0, sgu[1], sgu[2]};
+            rc = dot(shape1, xa, dt, sa1, gu + le * sgu[0] * e, dt, sb1, NULL, g);
+            if (rc) break;
+            round_rows(g, dt, n * 2 * I, gd);                                          /* gu rounded to dt */
+            rc = silu_mul32(n, I, dt, gd, 2 * I, gd + I * e, 2 * I, h);
+            if (rc) break;
+            const int64_t shape2[6] = {1, 1, 1, n, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, sdn[1], sdn[2]};
+            rc = dot(shape2, h, dt, sa2, dn + le * sdn[0] * e, dt, sb2, NULL, g);
+            for (int64_t i = 0; i < n && !rc; i++)
+                for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = g[i * H + c] * wts[pl[i]];
+        }
     }
     free(xa); free(gd); free(h); free(g);
     }
@@ -754,20 +781,6 @@ int write_kv(int64_t T, int64_t Hkv, int64_t D, int64_t esize, const char *key, 
     }
     return 0;
 }
-
-/* dst = dt(src) for n values (a linear's .to(dt)), inlined per dtype so that the loop vectorises. */
-static inline __attribute__((always_inline)) void round_rows_dt(const float *src, const int dt, int64_t n, char *dst) {
-    for (int64_t j = 0; j < n; j++) store_act(dst, dt, j, src[j]);
-}
-
-static void round_rows(const float *src, int dt, int64_t n, char *dst) {
-    if (dt == BF16) round_rows_dt(src, BF16, n, dst);
-    else round_rows_dt(src, F32, n, dst);
-}
-
-/* Rows per chunk of the fused calls below: their buffers stay small (no page faults from fresh
- * allocations at prefill) and in L2; every output is computed alone, so chunks change no bit. */
-enum { FUSED_ROWS = 128 };
 
 /* The attention prologue of models/qwen3.py Attention.qkv in one call (CPU inference, fp32/bf16
  * realisations): for x [T, H] (rows contiguous, row stride sx) and weights w [n*D, H] (row stride
