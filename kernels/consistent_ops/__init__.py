@@ -48,6 +48,13 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     return fused(x, weight, residual, norm_weight, eps) if fused else None
 
 
+def mlp(x, gate, up, down):
+    """linear(silu_mul(linear(x, gate), linear(x, up)), down) (no bias) in one call where the backend has
+    one for these tensors (the same bits as those ops); None otherwise."""
+    fused = getattr(get_backend(), "mlp", None)
+    return fused(x, gate, up, down) if fused else None
+
+
 def row_parallel_partial(x_shard, w_shard):
     return get_backend().row_parallel_partial(x_shard, w_shard)
 

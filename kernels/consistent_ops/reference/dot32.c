@@ -842,3 +842,32 @@ int linear_add_norm32(int64_t T, int64_t K, int64_t N, int dt, const char *x, in
     free(y);
     return rc;
 }
+
+/* models/qwen3.py MLP in one call (CPU inference, fp32/bf16 realisations): for x [T, H] (row
+ * stride sx) and contiguous weights wg, wu [I, H], wd [H, I]: g = dt(contract_dot(x, wg rows)),
+ * u likewise with wu, h = silu_mul32(g, u), out = dt(contract_dot(h, wd rows)) [T, H] contiguous:
+ * the calls linear and silu_mul make one by one, so the same bits. Returns 0, or -1 when out of memory. */
+int mlp32(int64_t T, int64_t H, int64_t I, int dt, const char *x, int64_t sx, const char *wg, const char *wu,
+          const char *wd, int pairs, char *out) {
+    const int64_t e = ELEM[dt];
+    float *acc = malloc((size_t)(FUSED_ROWS * (I > H ? I : H)) * sizeof(float));
+    char *gu = malloc((size_t)(3 * FUSED_ROWS * I * e)), *h = gu + 2 * FUSED_ROWS * I * e;
+    int (*dot)(const int64_t *, const char *, int, const int64_t *, const char *, int, const int64_t *,
+               const int64_t *, float *) = pairs ? dot32p : dot32;
+    int rc = acc && gu ? 0 : -1;
+    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
+        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
+        const int64_t s1[6] = {1, 1, 1, tr, I, H}, sa1[5] = {0, 0, 0, sx, 1}, sb1[5] = {0, 0, 0, H, 1};
+        for (int i = 0; i < 2 && !rc; i++) {                                           /* gate, then up */
+            rc = dot(s1, x + t0 * sx * e, dt, sa1, i ? wu : wg, dt, sb1, NULL, acc);
+            if (!rc) round_rows(acc, dt, tr * I, gu + i * tr * I * e);
+        }
+        if (!rc) rc = silu_mul32(tr, I, dt, gu, I, gu + tr * I * e, I, h);
+        const int64_t s2[6] = {1, 1, 1, tr, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, I, 1};
+        if (!rc) rc = dot(s2, h, dt, sa2, wd, dt, sb2, NULL, acc);
+        if (!rc) round_rows(acc, dt, tr * H, out + t0 * H * e);
+    }
+    free(acc);
+    free(gu);
+    return rc;
+}

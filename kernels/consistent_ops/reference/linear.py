@@ -58,3 +58,11 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     if not _fusable(x, weight, residual, norm_weight) or residual.shape != (x.shape[0], weight.shape[0]):
         return None
     return native.linear_add_rms_norm(x, weight, residual, norm_weight, eps)
+
+
+def mlp(x, gate, up, down):
+    """consistent_ops.mlp in one native call where _fusable: the kernels of linear and silu_mul one by
+    one (the same bits); None elsewhere."""
+    if not _fusable(x, gate, up, down) or gate.shape != up.shape or down.shape != gate.shape[::-1]:
+        return None
+    return native.mlp(x, gate, up, down)

@@ -108,6 +108,8 @@ def library():
             lib.linear_add_norm32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, i64, p, i64, p, ctypes.c_float,
                                               ctypes.c_int, p, p]
             lib.linear_add_norm32.restype = ctypes.c_int
+            lib.mlp32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, p, p, ctypes.c_int, p]
+            lib.mlp32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -365,3 +367,15 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
                                    res_out.data_ptr()):
         raise MemoryError("consistent_ops linear_add_rms_norm: out of memory for its buffers")
     return out, res_out
+
+
+def mlp(x, gate, up, down):
+    """reference/linear.py mlp in one call (dot32.c mlp32): x [T, H], gate/up [I, H], down [H, I], all
+    of one ACTIVATIONS dtype; the fp32/bf16 realisations. Returns [T, H]. No autograd."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate, up, down = gate.contiguous(), up.contiguous(), down.contiguous()
+    out = torch.empty(x.shape[0], down.shape[0], dtype=x.dtype)
+    if library().mlp32(x.shape[0], x.shape[1], gate.shape[0], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                       gate.data_ptr(), up.data_ptr(), down.data_ptr(), int(_kernel(x, gate) == "32p"), out.data_ptr()):
+        raise MemoryError("consistent_ops mlp: out of memory for its buffers")
+    return out

@@ -68,6 +68,13 @@ class Attention(nn.Module):
         return self.o_proj(self.heads(x, rope, attend))
 
 
+def fuse(model):
+    """Let every Attention and MLP of model take fused native calls (the rollout: vllm/model.py)."""
+    for module in model.modules():
+        if isinstance(module, (Attention, MLP)):
+            module.fused = True
+
+
 def _hooked(*modules):
     """Whether a forward hook sits on any of these modules (check --localize's capture and its
     test perturbation): a fused call would skip it."""
@@ -80,9 +87,15 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, tp, dtype=dtype)
         self.up_proj = ColumnParallelLinear(hidden, inter, tp, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, hidden, tp, dtype=dtype)
+        self.fused = False      # as Attention.fused
 
     def forward(self, x):
-        return self.down_proj(co.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if self.fused and d.tp.size == 1 and not _hooked(g, u, d):
+            out = co.mlp(x, g.weight, u.weight, d.weight)
+            if out is not None:
+                return out
+        return d(co.silu_mul(g(x), u(x)))
 
 
 class Experts(nn.Module):
