@@ -16,6 +16,7 @@ from true_on_policy.check import localize as loc
 from true_on_policy.check.capture import Capture, op_specs
 from true_on_policy.check.perturb import install_perturbation
 from true_on_policy.check.report import compare_phases
+from true_on_policy.models.qwen3 import fuse
 
 
 def test_indivisible_tp_fails_before_any_engine(tmp_path):
@@ -135,10 +136,14 @@ def _capture(model, ids):
     return cap.stop(positions=torch.arange(len(ids)))
 
 
+@pytest.mark.parametrize("fused", [False, True])       # True: the layers as the rollout runs them
 @pytest.mark.parametrize("op", ["layers.0.attn", "layers.1.moe", "logits"])
-def test_localize_names_the_broken_op(op):
+def test_localize_names_the_broken_op(op, fused):
     cfg = tiny_config("qwen3_moe")
     good, bad = random_model(cfg), random_model(cfg)
+    if fused:
+        fuse(good)
+        fuse(bad)
     install_perturbation(bad, op)
     ids = torch.randint(0, cfg.vocab_size, (20,))
     report = loc.compare(_capture(bad, ids), _capture(good, ids))

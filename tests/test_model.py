@@ -5,6 +5,7 @@ import torch
 
 from helpers import PagedCache, paged_step, per_expert, random_model, run_gloo, tiny_config
 from true_on_policy.models import CausalLM, ConsistentForCausalLM, TensorParallel
+from true_on_policy.models.qwen3 import fuse
 
 ARCHS = ["qwen3", "qwen3_moe"]
 
@@ -33,14 +34,29 @@ def rollout_logits(model, seqs, chunk, page_size):
     return [torch.cat(o) for o in out]
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_rollout_paths_equal_trainer(arch):
+def test_rollout_paths_equal_trainer(arch, fused):
     model = random_model(tiny_config(arch))
     seqs = prompts()
     ref = trainer_logits(model, seqs)
+    if fused:           # as the vLLM model class runs it
+        fuse(model)
     for chunk, page_size in ((1000, 16), (13, 32), (1, 64), (64, 16)):
         got = rollout_logits(model, seqs, chunk, page_size)
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), (chunk, page_size)
+
+
+def test_fused_calls_leave_hooked_modules_to_their_forward():
+    """check --localize hooks projections and norms: a hooked module runs its own forward."""
+    model = random_model(tiny_config("qwen3"))
+    fuse(model)
+    layer, seen = model.model.layers[0], []
+    layer.self_attn.q_proj.register_forward_hook(lambda *_: seen.append("q_proj"))
+    layer.self_attn.o_proj.register_forward_pre_hook(lambda *_: seen.append("o_proj"))
+    layer.mlp.up_proj.register_forward_hook(lambda *_: seen.append("up_proj"))
+    rollout_logits(model, prompts(1), 1000, 16)
+    assert seen == ["q_proj", "o_proj", "up_proj"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

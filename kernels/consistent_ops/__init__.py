@@ -33,6 +33,28 @@ def linear(x, weight, bias=None, out_dtype=None):
     return get_backend().linear(x, weight, bias, out_dtype)
 
 
+def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
+    """q/k/v [T, heads, head_dim] of attention without bias: q = apply_rope(rms_norm(linear(x, wq)) per
+    head), k likewise, v = linear(x, wv), in one call where the backend has one for these tensors (the
+    reference backend on CPU inference: the same bits as those ops); None otherwise (run the ops)."""
+    fused = getattr(get_backend(), "attention_prologue", None)
+    return fused(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim) if fused else None
+
+
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+    """add_rms_norm(linear(x, weight), residual, norm_weight, eps) (no bias): (normed, the new residual)
+    in one call where the backend has one for these tensors (the same bits as those ops); None otherwise."""
+    fused = getattr(get_backend(), "linear_add_rms_norm", None)
+    return fused(x, weight, residual, norm_weight, eps) if fused else None
+
+
+def mlp(x, gate, up, down):
+    """linear(silu_mul(linear(x, gate), linear(x, up)), down) (no bias) in one call where the backend has
+    one for these tensors (the same bits as those ops); None otherwise."""
+    fused = getattr(get_backend(), "mlp", None)
+    return fused(x, gate, up, down) if fused else None
+
+
 def row_parallel_partial(x_shard, w_shard):
     return get_backend().row_parallel_partial(x_shard, w_shard)
 

@@ -622,26 +622,50 @@ int attend32p(const int64_t *dims, const char *Q, int tq, const int64_t *qs, con
  * contiguous): g = gate (fp32), e = exp32(-g) by exp32_rows (the attention's fp64 polynomial, rounded
  * to fp32), out = dt(g / (1 + e) * up), each step one IEEE fp32 operation (contract CPU_ACCUMULATION
  * "silu_mul"). reference/pointwise.py's torch steps spell the same with torch.exp in fp64. */
-int silu_mul32(int64_t R, int64_t C, int dt, const char *gate, int64_t sg, const char *up, int64_t su, char *out) {
+static inline __attribute__((always_inline)) void silu_rows_dt(int64_t R, int64_t C, const int dt, const char *gate,
+                                                               int64_t sg, const char *up, int64_t su, char *out, float *g) {
     const int64_t e = ELEM[dt];
-    float *g = scratch_bytes((size_t)(2 * C) * sizeof(float)), *ex = g + C;
-    if (!g) return -1;
+    float *ex = g + C;
     for (int64_t r = 0; r < R; r++) {
         const char *gr = gate + r * sg * e, *ur = up + r * su * e;
         for (int64_t i = 0; i < C; i++) { g[i] = load_act(gr, dt, i); ex[i] = -g[i]; }
         exp32_rows(ex, ex, C);
         for (int64_t i = 0; i < C; i++) store_act(out + r * C * e, dt, i, g[i] / (1.0f + ex[i]) * load_act(ur, dt, i));
     }
+}
+
+/* silu_rows_dt inlined once per dtype: no dtype branch in the loops, so they vectorise. */
+int silu_mul32(int64_t R, int64_t C, int dt, const char *gate, int64_t sg, const char *up, int64_t su, char *out) {
+    float *g = scratch_bytes((size_t)(2 * C) * sizeof(float));
+    if (!g) return -1;
+    if (dt == BF16) silu_rows_dt(R, C, BF16, gate, sg, up, su, out, g);
+    else silu_rows_dt(R, C, F32, gate, sg, up, su, out, g);
     return 0;
 }
+
+/* dst = dt(src) for n values (a linear's .to(dt)), inlined per dtype so that the loop vectorises. */
+static inline __attribute__((always_inline)) void round_rows_dt(const float *src, const int dt, int64_t n, char *dst) {
+    for (int64_t j = 0; j < n; j++) store_act(dst, dt, j, src[j]);
+}
+
+static void round_rows(const float *src, int dt, int64_t n, char *dst) {
+    if (dt == BF16) round_rows_dt(src, BF16, n, dst);
+    else round_rows_dt(src, F32, n, dst);
+}
+
+/* Rows per chunk of moe_experts32 and the fused calls at the end of this file: their buffers stay
+ * small (a prefill's multi-MB allocations page-faulted on every call) and in L2; every output is
+ * computed alone, so chunks change no bit. */
+enum { FUSED_ROWS = 128 };
 
 /* The MoE experts of reference/moe.py moe_expert_contributions without autograd, in one call:
  * for each local expert le (global id e0 + le) its (token, slot) pairs p (p = token * k + slot,
  * ascending), x rows gathered; gu = dt(contract_dot(x row, gate_up rows)) [2I]; h = silu_mul32(gu[:I],
  * gu[I:]); contrib[p] = contract_dot(h, down rows) [H] * wts[p] (fp32), owned[p] = 1; pairs routed
  * to no local expert: contrib 0, owned 0. Every dot is dot32p's (pairs) or dot32's, so each value
- * has the bits of the batched torch path, which computes the same dots of the same rows.
- * Stack strides {expert, n, k} in elements. Returns 0, or -1 when out of memory. */
+ * has the bits of the batched torch path, which computes the same dots of the same rows (here in
+ * chunks of FUSED_ROWS pairs). Stack strides {expert, n, k} in elements. Returns 0, or -1 when out
+ * of memory. */
 int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char *x, int64_t sx,
                   const int64_t *ids, const float *wts, int64_t e0, int64_t ne, const char *gu, const int64_t *sgu,
                   const char *dn, const int64_t *sdn, int pairs, float *contrib, uint8_t *owned) {
@@ -668,29 +692,32 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
             if (owned[p]) list[fill[ids[p] - e0]++] = p;              /* ascending p within each expert */
     }
     const int nt = threads_for((double)TK * 3 * I * H);
+    const int64_t rows = most < FUSED_ROWS ? most : FUSED_ROWS;   /* an expert's pairs in chunks of rows */
     if (!rc)
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : rc)
     {   /* each thread the experts whose first pair falls in its share of the pairs, with its own buffers */
-    char *xa = malloc((size_t)(most * H * e + 64)), *gd = malloc((size_t)(most * 2 * I * e + 64));
-    char *h = malloc((size_t)(most * I * e + 64));
-    float *g = malloc((size_t)(most * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
+    char *xa = malloc((size_t)(rows * H * e + 64)), *gd = malloc((size_t)(rows * 2 * I * e + 64));
+    char *h = malloc((size_t)(rows * I * e + 64));
+    float *g = malloc((size_t)(rows * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
     int64_t lo, hi;
     share(TK, 1, &lo, &hi);
     rc |= !(xa && gd && h && g) ? -1 : 0;
     for (int64_t le = 0; le < ne && !rc; le++) {
-        const int64_t n = start[le + 1] - start[le], *pl = list + start[le];
-        if (!n || start[le] < lo || start[le] >= hi) continue;
-        for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
-        const int64_t shape1[6] = {1, 1, 1, n, 2 * I, H}, sa1[5] = {0, 0, 0, H, 1}, sb1[5] = {0, 0, 0, sgu[1], sgu[2]};
-        rc = dot(shape1, xa, dt, sa1, gu + le * sgu[0] * e, dt, sb1, NULL, g);
-        if (rc) break;
-        for (int64_t i = 0; i < n * 2 * I; i++) store_act(gd, dt, i, g[i]);            /* gu rounded to dt */
-        rc = silu_mul32(n, I, dt, gd, 2 * I, gd + I * e, 2 * I, h);
-        if (rc) break;
-        const int64_t shape2[6] = {1, 1, 1, n, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, sdn[1], sdn[2]};
-        rc = dot(shape2, h, dt, sa2, dn + le * sdn[0] * e, dt, sb2, NULL, g);
-        for (int64_t i = 0; i < n && !rc; i++)
-            for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = g[i * H + c] * wts[pl[i]];
+        if (start[le + 1] == start[le] || start[le] < lo || start[le] >= hi) continue;
+        for (int64_t i0 = start[le]; i0 < start[le + 1] && !rc; i0 += rows) {
+            const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
+            for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
+            const int64_t shape1[6] = {1, 1, 1, n, 2 * I, H}, sa1[5] = {0, 0, 0, H, 1}, sb1[5] = {0, 0, 0, sgu[1], sgu[2]};
+            rc = dot(shape1, xa, dt, sa1, gu + le * sgu[0] * e, dt, sb1, NULL, g);
+            if (rc) break;
+            round_rows(g, dt, n * 2 * I, gd);                                          /* gu rounded to dt */
+            rc = silu_mul32(n, I, dt, gd, 2 * I, gd + I * e, 2 * I, h);
+            if (rc) break;
+            const int64_t shape2[6] = {1, 1, 1, n, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, sdn[1], sdn[2]};
+            rc = dot(shape2, h, dt, sa2, dn + le * sdn[0] * e, dt, sb2, NULL, g);
+            for (int64_t i = 0; i < n && !rc; i++)
+                for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = g[i * H + c] * wts[pl[i]];
+        }
     }
     free(xa); free(gd); free(h); free(g);
     }
@@ -702,7 +729,8 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
  * out[i] = dt(x1 * c - x2 * s), out[i + D/2] = dt(x2 * c + x1 * s), each product and sum one IEEE fp32
  * operation (no FMA: -ffp-contract=off), i.e. reference/pointwise.py apply_rope's torch steps. Any
  * realisation: these bits never depended on it. */
-void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const float *cos, const float *sin, char *out) {
+static inline __attribute__((always_inline)) void rope_rows_dt(int64_t T, int64_t Hh, int64_t D, const int dt,
+                                                               const char *x, const float *cos, const float *sin, char *out) {
     const int64_t e = ELEM[dt], half = D / 2;
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < Hh; h++) {
@@ -715,6 +743,12 @@ void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const fl
                 store_act(o, dt, i + half, x2 * c[i] + x1 * s[i]);
             }
         }
+}
+
+/* rope_rows_dt inlined once per dtype: no dtype branch in the loop, so it vectorises. */
+void rope_rows(int64_t T, int64_t Hh, int64_t D, int dt, const char *x, const float *cos, const float *sin, char *out) {
+    if (dt == BF16) rope_rows_dt(T, Hh, D, BF16, x, cos, sin, out);
+    else rope_rows_dt(T, Hh, D, F32, x, cos, sin, out);
 }
 
 /* The K/V offsets of a paged cache for attend32/attend64 (any realisation): token[s, pos] =
@@ -759,4 +793,94 @@ int write_kv(int64_t T, int64_t Hkv, int64_t D, int64_t esize, const char *key, 
         }
     }
     return 0;
+}
+
+/* The attention prologue of models/qwen3.py Attention.qkv in one call (CPU inference, fp32/bf16
+ * realisations): for x [T, H] (rows contiguous, row stride sx) and weights w [n*D, H] (row stride
+ * sw each), q = rope(rms_norm(dt(contract_dot(x, wq rows)) per head of D, nq)), k likewise with wk,
+ * nk, and v = dt(contract_dot(x, wv rows)): the calls the ops make one by one (dot32p / dot32 as
+ * native.matmul picks them, rms_norm_rows32, rope_rows), so the same bits. Outputs contiguous
+ * q [T, hq, D], k, v [T, hkv, D]. Returns 0, or -1 when out of memory. */
+int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, int dt, const char *x, int64_t sx,
+                    const char *wq, const char *wk, const char *wv, int64_t sw, const char *nq, const char *nk,
+                    float eps, const float *cos, const float *sin, int pairs, char *q, char *k, char *v) {
+    const int64_t e = ELEM[dt], wide = (hq > hkv ? hq : hkv) * D, half = D / 2;
+    float *acc = malloc((size_t)(FUSED_ROWS * wide) * sizeof(float));
+    char *rounded = malloc((size_t)(2 * FUSED_ROWS * wide * e)), *normed = rounded + FUSED_ROWS * wide * e;
+    const char *w[3] = {wq, wk, wv}, *nw[3] = {nq, nk, NULL};
+    char *out[3] = {q, k, v};
+    const int64_t heads[3] = {hq, hkv, hkv};
+    int rc = acc && rounded ? 0 : -1;
+    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
+        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
+        for (int i = 0; i < 3 && !rc; i++) {
+            const int64_t n = heads[i] * D;
+            const int64_t shape[6] = {1, 1, 1, tr, n, H}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
+            rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * e, dt, sa, w[i], dt, sb, NULL, acc);
+            if (rc) break;
+            if (!nw[i]) {
+                round_rows(acc, dt, tr * n, out[i] + t0 * n * e);                     /* linear's .to(dt) */
+                continue;
+            }
+            round_rows(acc, dt, tr * n, rounded);
+            rms_norm_rows32(tr * heads[i], D, dt, rounded, D, NULL, 0, nw[i], eps, normed, NULL);
+            rope_rows(tr, heads[i], D, dt, normed, cos + t0 * half, sin + t0 * half, out[i] + t0 * n * e);
+        }
+    }
+    free(acc);
+    free(rounded);
+    return rc;
+}
+
+/* A linear layer rounded to dt, then reference/norm.py add_rms_norm of it and the residual, in one
+ * call (CPU inference, fp32/bf16 realisations): y = dt(contract_dot(x row, w rows)) [T, N] (x row
+ * stride sx, w [N, K] row stride sw), then rms_norm_rows32(y, res, nw): out = RMSNorm(y + res),
+ * res_out = y + res (in dt). The calls linear and add_rms_norm make one by one, so the same bits.
+ * Returns 0, or -1 when out of memory. */
+int linear_add_norm32(int64_t T, int64_t K, int64_t N, int dt, const char *x, int64_t sx, const char *w, int64_t sw,
+                      const char *res, int64_t sres, const char *nw, float eps, int pairs, char *out, char *res_out) {
+    const int64_t e = ELEM[dt];
+    float *acc = malloc((size_t)(FUSED_ROWS * N) * sizeof(float));
+    char *y = malloc((size_t)(FUSED_ROWS * N * e));
+    int rc = acc && y ? 0 : -1;
+    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
+        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
+        const int64_t shape[6] = {1, 1, 1, tr, N, K}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
+        rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * e, dt, sa, w, dt, sb, NULL, acc);
+        if (rc) break;
+        round_rows(acc, dt, tr * N, y);                                               /* linear's .to(dt) */
+        rms_norm_rows32(tr, N, dt, y, N, res + t0 * sres * e, sres, nw, eps, out + t0 * N * e, res_out + t0 * N * e);
+    }
+    free(acc);
+    free(y);
+    return rc;
+}
+
+/* models/qwen3.py MLP in one call (CPU inference, fp32/bf16 realisations): for x [T, H] (row
+ * stride sx) and contiguous weights wg, wu [I, H], wd [H, I]: g = dt(contract_dot(x, wg rows)),
+ * u likewise with wu, h = silu_mul32(g, u), out = dt(contract_dot(h, wd rows)) [T, H] contiguous:
+ * the calls linear and silu_mul make one by one, so the same bits. Returns 0, or -1 when out of memory. */
+int mlp32(int64_t T, int64_t H, int64_t I, int dt, const char *x, int64_t sx, const char *wg, const char *wu,
+          const char *wd, int pairs, char *out) {
+    const int64_t e = ELEM[dt];
+    float *acc = malloc((size_t)(FUSED_ROWS * (I > H ? I : H)) * sizeof(float));
+    char *gu = malloc((size_t)(3 * FUSED_ROWS * I * e)), *h = gu + 2 * FUSED_ROWS * I * e;
+    int (*dot)(const int64_t *, const char *, int, const int64_t *, const char *, int, const int64_t *,
+               const int64_t *, float *) = pairs ? dot32p : dot32;
+    int rc = acc && gu ? 0 : -1;
+    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
+        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
+        const int64_t s1[6] = {1, 1, 1, tr, I, H}, sa1[5] = {0, 0, 0, sx, 1}, sb1[5] = {0, 0, 0, H, 1};
+        for (int i = 0; i < 2 && !rc; i++) {                                           /* gate, then up */
+            rc = dot(s1, x + t0 * sx * e, dt, sa1, i ? wu : wg, dt, sb1, NULL, acc);
+            if (!rc) round_rows(acc, dt, tr * I, gu + i * tr * I * e);
+        }
+        if (!rc) rc = silu_mul32(tr, I, dt, gu, I, gu + tr * I * e, I, h);
+        const int64_t s2[6] = {1, 1, 1, tr, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, I, 1};
+        if (!rc) rc = dot(s2, h, dt, sa2, wd, dt, sb2, NULL, acc);
+        if (!rc) round_rows(acc, dt, tr * H, out + t0 * H * e);
+    }
+    free(acc);
+    free(gu);
+    return rc;
 }

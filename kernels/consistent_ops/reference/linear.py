@@ -1,7 +1,8 @@
 """Batch-invariant linear and its tensor-parallel row-parallel form."""
 import torch
 
-from .core import matmul32, to64, weight64
+from . import native
+from .core import matmul32, recording, to64, weight64
 
 
 def linear(x, weight, bias=None, out_dtype=None):
@@ -32,3 +33,36 @@ def finish_row_parallel(total, bias=None, out_dtype=torch.bfloat16):
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+def _fusable(x, *tensors):
+    """Whether a fused native call runs for these operands: CPU inference in the fp32/bf16
+    realisations, a 2-D x and every tensor of x's ACTIVATIONS dtype."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.dtype in native.ACTIVATIONS
+            and all(t.dtype == x.dtype for t in tensors) and native.accumulation() != "fp64"
+            and not recording(x, *tensors))
+
+
+def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
+    """consistent_ops.attention_prologue in one native call where _fusable: the same kernels as
+    linear, rms_norm and apply_rope one by one (the same bits); None elsewhere (the caller runs those ops)."""
+    if (not _fusable(x, wq, wk, wv, q_norm, k_norm) or cos.shape != sin.shape
+            or cos.shape != (x.shape[0], head_dim // 2) or recording(cos, sin)):
+        return None
+    return native.attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos.float(), sin.float(), head_dim)
+
+
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+    """consistent_ops.linear_add_rms_norm in one native call where _fusable: the kernels of linear and
+    add_rms_norm one by one (the same bits); None elsewhere."""
+    if not _fusable(x, weight, residual, norm_weight) or residual.shape != (x.shape[0], weight.shape[0]):
+        return None
+    return native.linear_add_rms_norm(x, weight, residual, norm_weight, eps)
+
+
+def mlp(x, gate, up, down):
+    """consistent_ops.mlp in one native call where _fusable: the kernels of linear and silu_mul one by
+    one (the same bits); None elsewhere."""
+    if not _fusable(x, gate, up, down) or gate.shape != up.shape or down.shape != gate.shape[::-1]:
+        return None
+    return native.mlp(x, gate, up, down)

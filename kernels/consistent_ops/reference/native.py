@@ -102,6 +102,14 @@ def library():
             lib.paged_tokens.restype = ctypes.c_int
             lib.write_kv.argtypes = [i64, i64, i64, i64, p, p, p, p, p, p, p, p, i64, i64]
             lib.write_kv.restype = ctypes.c_int
+            lib.attn_prologue32.argtypes = [i64, i64, i64, i64, i64, ctypes.c_int, p, i64, p, p, p, i64, p, p,
+                                            ctypes.c_float, p, p, ctypes.c_int, p, p, p]
+            lib.attn_prologue32.restype = ctypes.c_int
+            lib.linear_add_norm32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, i64, p, i64, p, ctypes.c_float,
+                                              ctypes.c_int, p, p]
+            lib.linear_add_norm32.restype = ctypes.c_int
+            lib.mlp32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, p, p, ctypes.c_int, p]
+            lib.mlp32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -329,3 +337,46 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping):
                           value_cache.data_ptr(), _int64s(key_cache.stride()), slots.data_ptr(), key_cache.shape[0],
                           key_cache.shape[1]):
         raise IndexError(f"write_kv_cache: a slot falls past the cache's {key_cache.shape[0]} pages")
+
+
+def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
+    """reference/linear.py attention_prologue in one call (dot32.c attn_prologue32): x [T, H] and
+    the weights of one ACTIVATIONS dtype, fp32 cos/sin [T, D/2]; the fp32/bf16 realisations. No autograd."""
+    t, d = x.shape[0], head_dim
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    wq, wk, wv, q_norm, k_norm, cos, sin = (w.contiguous() for w in (wq, wk, wv, q_norm, k_norm, cos, sin))
+    q = torch.empty(t, wq.shape[0] // d, d, dtype=x.dtype)
+    k, v = (torch.empty(t, wk.shape[0] // d, d, dtype=x.dtype) for _ in range(2))
+    if library().attn_prologue32(t, x.shape[1], d, q.shape[1], k.shape[1], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                 wq.data_ptr(), wk.data_ptr(), wv.data_ptr(), wq.stride(0), q_norm.data_ptr(),
+                                 k_norm.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), int(_kernel(x, wq) == "32p"),
+                                 q.data_ptr(), k.data_ptr(), v.data_ptr()):
+        raise MemoryError("consistent_ops attention_prologue: out of memory for its buffers")
+    return q, k, v
+
+
+def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
+    """reference/linear.py linear_add_rms_norm in one call (dot32.c linear_add_norm32): x [T, K],
+    weight [N, K], residual [T, N], all of one ACTIVATIONS dtype; the fp32/bf16 realisations.
+    Returns (RMSNorm(y + residual), y + residual), y = linear(x, weight). No autograd."""
+    x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+    weight, norm_weight = weight.contiguous(), norm_weight.contiguous()
+    out, res_out = (torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype) for _ in range(2))
+    if library().linear_add_norm32(x.shape[0], x.shape[1], weight.shape[0], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                   weight.data_ptr(), weight.stride(0), residual.data_ptr(), residual.stride(0),
+                                   norm_weight.data_ptr(), eps, int(_kernel(x, weight) == "32p"), out.data_ptr(),
+                                   res_out.data_ptr()):
+        raise MemoryError("consistent_ops linear_add_rms_norm: out of memory for its buffers")
+    return out, res_out
+
+
+def mlp(x, gate, up, down):
+    """reference/linear.py mlp in one call (dot32.c mlp32): x [T, H], gate/up [I, H], down [H, I], all
+    of one ACTIVATIONS dtype; the fp32/bf16 realisations. Returns [T, H]. No autograd."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate, up, down = gate.contiguous(), up.contiguous(), down.contiguous()
+    out = torch.empty(x.shape[0], down.shape[0], dtype=x.dtype)
+    if library().mlp32(x.shape[0], x.shape[1], gate.shape[0], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                       gate.data_ptr(), up.data_ptr(), down.data_ptr(), int(_kernel(x, gate) == "32p"), out.data_ptr()):
+        raise MemoryError("consistent_ops mlp: out of memory for its buffers")
+    return out

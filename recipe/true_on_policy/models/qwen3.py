@@ -42,18 +42,43 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         self.head_dim = d
+        self.fused = False      # the rollout's modules (vllm/model.py): fused native calls where unhooked
 
     def qkv(self, x, rope):
         """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
+        parts = (self.q_proj, self.k_proj, self.v_proj, self.q_norm, self.k_norm)
+        if self.fused and self.q_proj.bias is None and not _hooked(*parts):
+            out = co.attention_prologue(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                        self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
+                                        self.head_dim)
+            if out is not None:
+                return out
         t, d = x.shape[0], self.head_dim
         q = self.q_norm(self.q_proj(x).view(t, -1, d))
         k = self.k_norm(self.k_proj(x).view(t, -1, d))
         v = self.v_proj(x).view(t, -1, d)
         return rope.apply(q), rope.apply(k), v
 
-    def forward(self, x, rope, attend):
+    def heads(self, x, rope, attend):
+        """The attention output [T, Hq * D] (o_proj's input)."""
         q, k, v = self.qkv(x, rope)
-        return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
+        return attend(q, k, v).reshape(x.shape[0], -1)
+
+    def forward(self, x, rope, attend):
+        return self.o_proj(self.heads(x, rope, attend))
+
+
+def fuse(model):
+    """Let every Attention and MLP of model take fused native calls (the rollout: vllm/model.py)."""
+    for module in model.modules():
+        if isinstance(module, (Attention, MLP)):
+            module.fused = True
+
+
+def _hooked(*modules):
+    """Whether a forward hook sits on any of these modules (check --localize's capture and its
+    test perturbation): a fused call would skip it."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 class MLP(nn.Module):
@@ -62,9 +87,15 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, tp, dtype=dtype)
         self.up_proj = ColumnParallelLinear(hidden, inter, tp, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, hidden, tp, dtype=dtype)
+        self.fused = False      # as Attention.fused
 
     def forward(self, x):
-        return self.down_proj(co.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if self.fused and d.tp.size == 1 and not _hooked(g, u, d):
+            out = co.mlp(x, g.weight, u.weight, d.weight)
+            if out is not None:
+                return out
+        return d(co.silu_mul(g(x), u(x)))
 
 
 class Experts(nn.Module):
@@ -157,9 +188,18 @@ class DecoderLayer(nn.Module):
         """HF order: x = x + attn(norm(x)); x = x + mlp(norm(x)); the residual add is
         fused into the next norm (the same bf16 add either way)."""
         h, residual = self.input_layernorm(hidden, residual, fuse_residual=True)
-        h = self.self_attn(h, rope, attend)
-        h, residual = self.post_attention_layernorm(h, residual, fuse_residual=True)
+        h, residual = self._attention(h, residual, rope, attend)
         return self.mlp(h), residual
+
+    def _attention(self, h, residual, rope, attend):
+        """Attention and the post-attention residual add + RMSNorm; in the rollout o_proj, the add
+        and the norm are one call where the backend has one (the same bits)."""
+        attn, o, norm = self.self_attn, self.self_attn.o_proj, self.post_attention_layernorm
+        if attn.fused and o.tp.size == 1 and o.bias is None and not _hooked(attn, o, norm):
+            heads = attn.heads(h, rope, attend)
+            out = co.linear_add_rms_norm(heads, o.weight, residual, norm.weight, norm.eps)
+            return out if out is not None else norm(o(heads), residual, fuse_residual=True)
+        return norm(attn(h, rope, attend), residual, fuse_residual=True)
 
 
 class Qwen3Model(nn.Module):

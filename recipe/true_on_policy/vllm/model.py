@@ -26,6 +26,7 @@ from consistent_ops.contract import TILED_BACKENDS, attention_scale
 from true_on_policy import sync_check
 from true_on_policy.models import CausalLM, ModelConfig, TensorParallel
 from true_on_policy.models.causal_lm import LM_HEAD, sync_names
+from true_on_policy.models.qwen3 import fuse
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
 from vllm.model_executor.layers.attention import Attention
@@ -61,6 +62,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
                 scale=attention_scale(cfg.head_dim), num_kv_heads=cfg.num_kv_heads // tp.size,
                 cache_config=vllm_config.cache_config, prefix=f"model.layers.{i}.self_attn.attn",
                 attn_backend=ConsistentAttentionBackend)
+        fuse(self.model)      # plain modules here (no trainer wrappers or adapters)
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
