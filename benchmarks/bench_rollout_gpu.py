@@ -23,6 +23,7 @@ import torch
 
 import consistent_ops as co
 from harness import QWEN3_30B_A3B as SHAPE, GraphRunner, ModelRunner, PagedKV, build_hf_model, build_model
+from true_on_policy.models.qwen3 import fuse
 
 DEV, BF16 = "cuda", torch.bfloat16
 PAGE, PREFILL_LAYERS = 16, 8
@@ -61,13 +62,15 @@ def _median_ms(fn, reps):
 
 
 def check_full_depth(model):
-    """Packed trainer forward == chunked prefill + graph decode, every logit row."""
+    """Packed trainer forward == chunked prefill + graph decode, every logit row; the rollout's
+    layers as vLLM's model class runs them (fuse: q/k/v in one GEMM), the trainer's unfused."""
     g = torch.Generator(device=DEV).manual_seed(5)
     lens, decode = [700, 333], 24
     toks = [torch.randint(0, 151643, (n,), generator=g, device=DEV) for n in lens]
     with torch.no_grad():
         train = model.forward_packed(torch.cat(toks), torch.cat([torch.arange(n, device=DEV) for n in lens]))
     train = train.split(lens)
+    fuse(model)
     runner = ModelRunner(model, pages=256, page_size=PAGE)
     got = [[] for _ in lens]
     for lo in range(0, max(lens) - decode, 256):       # chunked prefill, both sequences per step
@@ -263,6 +266,7 @@ def prefill_cases(layers):
     n = 16384
     toks = torch.randint(0, 151643, (n,), device=DEV)
     ours = build_model(layers=layers)
+    fuse(ours)                  # as vLLM's model class
     mine = {c: _wall_ms(lambda c=c: _prefill_ours(ours, toks, c)) for c in (2048, 8192)}
     graphed = _wall_ms(_prefill_graphed(ours, toks, 2048))
     eager, replay = _chunk_device_ms(ours, toks, 2048, 8192)

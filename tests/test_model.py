@@ -47,6 +47,28 @@ def test_rollout_paths_equal_trainer(arch, fused):
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), (chunk, page_size)
 
 
+def test_one_gemm_for_q_k_v_and_loads_land_in_it(monkeypatch):
+    """The rollout's q/k/v as one GEMM over stacked weights (the path of backends without a fused
+    prologue, e.g. Triton): the trainer's bits, also after weights are loaded in place into the
+    fused model; a projection weight replaced (not loaded) takes the projections' own path."""
+    import consistent_ops as co
+    monkeypatch.setattr(co, "attention_prologue", lambda *args: None)
+    cfg, seqs = tiny_config("qwen3_moe"), prompts()
+    model, fresh = random_model(cfg), random_model(cfg, seed=1)
+    fuse(model)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_weight is not None and attn.k_proj.weight.data_ptr() > attn.q_proj.weight.data_ptr()
+    model.load_weights(fresh.state_dict().items())
+    ref = trainer_logits(fresh, seqs)
+    linear, stacked = co.linear, []
+    monkeypatch.setattr(co, "linear", lambda x, w, *a: stacked.append(w is attn.qkv_weight) or linear(x, w, *a))
+    assert all(torch.equal(a, b) for a, b in zip(rollout_logits(model, seqs, 13, 16), ref)) and any(stacked)
+    attn.v_proj.weight = torch.nn.Parameter(attn.v_proj.weight.detach() * 2)
+    fresh.model.layers[0].self_attn.v_proj.weight.data.mul_(2)
+    ref = trainer_logits(fresh, seqs)
+    assert all(torch.equal(a, b) for a, b in zip(rollout_logits(model, seqs, 13, 16), ref))
+
+
 def test_fused_calls_leave_hooked_modules_to_their_forward():
     """check --localize hooks projections and norms: a hooked module runs its own forward."""
     model = random_model(tiny_config("qwen3"))

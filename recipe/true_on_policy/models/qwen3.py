@@ -43,10 +43,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
         self.head_dim = d
         self.fused = False      # the rollout's modules (vllm/model.py): fused native calls where unhooked
+        self.qkv_weight = None  # the rollout's: q/k/v weights as row blocks of one tensor (fuse)
 
     def qkv(self, x, rope):
         """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
-        parts = (self.q_proj, self.k_proj, self.v_proj, self.q_norm, self.k_norm)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        parts = (*projections, self.q_norm, self.k_norm)
         if self.fused and self.q_proj.bias is None and not _hooked(*parts):
             out = co.attention_prologue(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
@@ -54,10 +56,15 @@ class Attention(nn.Module):
             if out is not None:
                 return out
         t, d = x.shape[0], self.head_dim
-        q = self.q_norm(self.q_proj(x).view(t, -1, d))
-        k = self.k_norm(self.k_proj(x).view(t, -1, d))
-        v = self.v_proj(x).view(t, -1, d)
-        return rope.apply(q), rope.apply(k), v
+        if self.qkv_weight is not None and not _hooked(*projections) and _rows_of(self.qkv_weight, projections):
+            # one GEMM: each output is the dot product its own projection computes (contract "linear")
+            q, k, v = co.linear(x, self.qkv_weight).split([m.weight.shape[0] for m in projections], 1)
+            v = v.contiguous()
+        else:
+            q, k, v = (m(x) for m in projections)
+        q = self.q_norm(q.view(t, -1, d))
+        k = self.k_norm(k.view(t, -1, d))
+        return rope.apply(q), rope.apply(k), v.view(t, -1, d)
 
     def heads(self, x, rope, attend):
         """The attention output [T, Hq * D] (o_proj's input)."""
@@ -69,10 +76,37 @@ class Attention(nn.Module):
 
 
 def fuse(model):
-    """Let every Attention and MLP of model take fused native calls (the rollout: vllm/model.py)."""
+    """Let every Attention and MLP of model take fused native calls, and every bias-free Attention
+    project q, k and v in one GEMM (the rollout: vllm/model.py; never the trainer's modules, whose
+    parameters FSDP and the optimizer own)."""
     for module in model.modules():
         if isinstance(module, (Attention, MLP)):
             module.fused = True
+        if isinstance(module, Attention) and module.q_proj.bias is None:
+            module.qkv_weight = _stack_rows(module.q_proj, module.k_proj, module.v_proj)
+
+
+def _stack_rows(*linears):
+    """One tensor holding these linears' weights as consecutive row blocks; the weights become
+    views of it, so in-place weight loads (vLLM's, verl's syncs) land in it."""
+    stacked = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(stacked[start:start + rows], requires_grad=m.weight.requires_grad)
+        start += rows
+    return stacked
+
+
+def _rows_of(stacked, linears):
+    """Whether the linears' weights are still the consecutive row blocks of stacked (a weight
+    replaced rather than written in place would leave the stack stale: then each runs its own)."""
+    at = stacked.data_ptr()
+    for m in linears:
+        if m.weight.data_ptr() != at:
+            return False
+        at += m.weight.numel() * m.weight.element_size()
+    return True
 
 
 def _hooked(*modules):
