@@ -328,6 +328,33 @@ def probe_linear():
                 print(f"  {name:6s} {cname:20s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
 
 
+def probe_linear_decode():
+    """The decode tail's GEMMs (M 1..16; B=1 spends 44 % of a 48-layer step in them): tiles with
+    more, shorter programs (no split-K: the contract's one accumulator) against cuBLAS and the
+    tile in use, per layer shape; bits against the tile in use's rows."""
+    from consistent_ops.triton import gemm
+    tiles = [(16, bn, bk, 1, w, st, tma) for bn in (16, 32, 64) for bk in (128, 256) for w, st in ((4, 4), (4, 6), (2, 4))
+             for tma in (False, True)]
+    for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048)), ("router", (2048, 128)),
+                         ("lm_head", (2048, 151936))):
+        w, x = rand(n, k, scale=k ** -0.5), rand(16, k)
+        for m in (1, 4, 16):
+            base = gemm.matmul(x[:m], w)
+            stock = _graph_ms(lambda: F.linear(x[:m], w))
+            ours = _graph_ms(lambda: gemm.matmul(x[:m], w))
+            best = []
+            for cfg in tiles:
+                try:
+                    same = torch.equal(gemm.matmul(x[:m], w, cfg=cfg), base)
+                    best.append((_graph_ms(lambda cfg=cfg: gemm.matmul(x[:m], w, cfg=cfg)), cfg, same))
+                except Exception as e:
+                    print(f"  {name} M={m} {cfg}: failed {type(e).__name__}: {str(e)[:60]}", flush=True)
+            best.sort()
+            print(f"probe linear decode {name} M={m}: cuBLAS {stock * 1e3:.1f} us, in use {gemm._config(m, n)} "
+                  f"{ours * 1e3:.1f} us; fastest: " + "; ".join(f"{c} {t * 1e3:.1f} us bits {'same' if sm else 'DIFF'}"
+                                                            for t, c, sm in best[:4]), flush=True)
+
+
 def _probe_variants(label, runs, variants, rounds=5):
     """runs: {case: fn(**variant) -> tensors}; variants: keyword dicts, the first the default.
     Each (case, variant) is timed once a round, in turn (medians over rounds: drift moves all
@@ -531,7 +558,7 @@ def main():
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
-                 probe_host=probe_host)
+                 probe_host=probe_host, probe_linear_decode=probe_linear_decode)
     failed = []
     for key in args.only:
         try:
