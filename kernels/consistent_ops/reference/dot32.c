@@ -485,6 +485,18 @@ static void pv_row(const float *p, const float *vb, int64_t nvis, int64_t dp, fl
     }
 }
 
+/* Query rows scored together: block_pairs' register block. Causal prefill rows see a triangle of
+ * a diagonal block and nothing of a later one, so each group is scored up to its last visible key. */
+enum { SCORE_ROWS = 4 };
+
+/* The keys (< nvis) of a block starting at position b0 that some of rows qp[0..rn) see. The scores
+ * past them are masked (-inf, never read), so they need no dot. */
+static inline int64_t group_keys(const int64_t *qp, int64_t rn, int64_t b0, int64_t nvis) {
+    int64_t cols = 0;
+    for (int64_t r = 0; r < rn; r++) cols = qp[r] - b0 + 1 > cols ? qp[r] - b0 + 1 : cols;
+    return cols < nvis ? cols : nvis;
+}
+
 /* dot64.c's attend64 (same arguments, loop and KV chunks) with the contractions and the row sums
  * of p in this file's order; exp by exp32_rows (and exp32_one in the chunks' fold). pairs: q.k of BF16 q and K in the pair order.
  * Keys past the last query position of a block (masked for every row) are neither read nor
@@ -570,10 +582,13 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 else memset(vb + n * dp, 0, (size_t)D * sizeof(float));
             }
             for (int64_t n = nvis; n < nv16; n++) memset(vb + n * dp, 0, (size_t)D * sizeof(float));
-            if (pairs) {
+            if (pairs)
                 for (int64_t n = nvis; n < (nvis + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; n++) krow[n] = krow[0];
-                block_pairs(qb16, dq, R, krow, nvis, dq, sbuf, kvp);   /* sbuf[r][n] = contract_dot(q, k) */
-            } else block32(qb, R, kb, nvis, dp, sbuf, kvp);
+            for (int64_t r0 = 0; r0 < R; r0 += SCORE_ROWS) {   /* sbuf[r][n] = contract_dot(q, k) */
+                const int64_t rn = R - r0 < SCORE_ROWS ? R - r0 : SCORE_ROWS, cols = group_keys(qp + r0, rn, j * KVB, nvis);
+                if (cols && pairs) block_pairs(qb16 + r0 * dq, dq, rn, krow, cols, dq, sbuf + r0 * kvp, kvp);
+                else if (cols) block32(qb + r0 * dp, rn, kb, cols, dp, sbuf + r0 * kvp, kvp);
+            }
             for (int64_t r = 0; r < R; r++) {
                 if (j * KVB > qp[r]) continue;   /* a block this row sees nothing of: an exact no-op (m, l, o kept) */
                 float *sr = sbuf + r * kvp, bm = -INFINITY, lm[LANES];
@@ -587,9 +602,9 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
                 const float a = exp32_one(mrow[r] - m_new);
                 float *pr = pb + r * kvp;
-                for (int64_t n = 0; n < KVB; n++) pr[n] = sr[n] - m_new;
-                exp32_rows(pr, pr, nvis);
-                for (int64_t n = nvis; n < KVB; n++) pr[n] = 0.0f;    /* exp32(-inf) */
+                for (int64_t n = 0; n < see; n++) pr[n] = sr[n] - m_new;
+                exp32_rows(pr, pr, see);
+                for (int64_t n = see; n < KVB; n++) pr[n] = 0.0f;     /* exp32(-inf): the masked keys */
                 lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
                 mrow[r] = m_new;
                 pv_row(pr, vb, nvis, dp, pv + r * dp);               /* pv[r][d] = contract_dot(p, v) */
