@@ -112,8 +112,8 @@ static inline void finish16x4(v16 a, v16 b, v16 c, v16 d, float *r) {
 }
 
 /* finish16 of 16 accumulators c[0..15] into r[0..15]: one tree step for all of them at a time (AVX-512:
- * each add of a step adds the same lanes, first operand first, as finish16x4; 31 shuffles and 15 adds
- * where four finish16x4 take 36 and 20). */
+ * each add adds the same two lanes as finish16x4's; 31 shuffles and 15 adds where four finish16x4 take
+ * 36 and 20). As there, a NaN's payload is the compiler's pick of operand order; NaN positions are not. */
 static inline void finish16x16(const v16 *c, float *r) {
 #if defined(__AVX512F__)
     __m512 t[8], u[4], w[2];
