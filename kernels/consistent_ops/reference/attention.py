@@ -167,7 +167,7 @@ def _check_heads(hq, hkv):
 
 def _pad_rows(x, starts, lens, width):
     """Consecutive rows x[starts[i] : starts[i]+lens[i]] into a zero-padded [S, width, ...] tensor."""
-    if all(n == width for n in lens):           # e.g. decode: the rows already are [S, width]
+    if lens.count(width) == len(lens):          # e.g. decode: the rows already are [S, width]
         return x[starts[0]:starts[0] + len(lens) * width].reshape(len(lens), width, *x.shape[1:])
     out = x.new_zeros((len(lens), width) + tuple(x.shape[1:]))
     for i, (s, n) in enumerate(zip(starts, lens)):
@@ -176,7 +176,7 @@ def _pad_rows(x, starts, lens, width):
 
 
 def _unpad_rows(x, lens):
-    if all(n == x.shape[1] for n in lens):
+    if lens.count(x.shape[1]) == len(lens):
         return x.reshape(-1, *x.shape[2:])
     return torch.cat([x[i, :n] for i, n in enumerate(lens)], dim=0)
 

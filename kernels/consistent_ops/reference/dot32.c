@@ -111,6 +111,28 @@ static inline void finish16x4(v16 a, v16 b, v16 c, v16 d, float *r) {
 #endif
 }
 
+/* finish16 of 16 accumulators c[0..15] into r[0..15]: one tree step for all of them at a time (AVX-512:
+ * each add adds the same two lanes as finish16x4's; 31 shuffles and 15 adds where four finish16x4 take
+ * 36 and 20). As there, a NaN's payload is the compiler's pick of operand order; NaN positions are not. */
+static inline void finish16x16(const v16 *c, float *r) {
+#if defined(__AVX512F__)
+    __m512 t[8], u[4], w[2];
+    for (int p = 0; p < 8; p++)   /* [t(c[2p]) t(c[2p+1])]: t_i = l_i + l_(i+8) */
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * p].v, c[2 * p + 1].v, 0x44),
+                             _mm512_shuffle_f32x4(c[2 * p].v, c[2 * p + 1].v, 0xEE));
+    for (int p = 0; p < 4; p++)   /* quarter k: u(c[4p + k]), u_i = t_i + t_(i+4) */
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++)   /* quarter k: w_0, w_1 of c[8p + k], then of c[8p + 4 + k] (u_0+u_2, u_1+u_3) */
+        w[p] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0x44), _mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0xEE));
+    /* quarter k: w_0 + w_1 of c[k], c[4 + k], c[8 + k], c[12 + k]; the permutation puts c[i]'s at i */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    _mm512_storeu_ps(r, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f));
+#else
+    for (int i = 0; i < 16; i += 4) finish16x4(c[i], c[i + 1], c[i + 2], c[i + 3], r + i);
+#endif
+}
+
 /* n elements at stride s of a F32 or BF16 operand -> fp32 dst. */
 static void widen32(const char *src, int dt, int64_t n, int64_t s, float *dst) {
     int64_t i;
@@ -242,11 +264,10 @@ static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16
             for (int64_t k = 0; k < kp; k += PAIR_K)
                 for (int64_t t = 0; t < PAIR_COLS; t++)
                     for (int64_t r = 0; r < 4; r++) c[t][r] = pair16(ar[r] + k, b[j0 + t] + k, c[t][r]);
-            for (int64_t t = 0; t < nj; t++) {
-                float f[4];
-                finish16x4(c[t][0], c[t][1], c[t][2], c[t][3], f);
-                for (int64_t r = 0; r < mi; r++) out[(i + r) * ldo + j0 + t] = f[r];
-            }
+            float f[PAIR_COLS * 4];
+            finish16x16(&c[0][0], f);
+            for (int64_t t = 0; t < nj; t++)
+                for (int64_t r = 0; r < mi; r++) out[(i + r) * ldo + j0 + t] = f[t * 4 + r];
         }
     }
 }
@@ -485,6 +506,18 @@ static void pv_row(const float *p, const float *vb, int64_t nvis, int64_t dp, fl
     }
 }
 
+/* Query rows scored together: block_pairs' register block. Causal prefill rows see a triangle of
+ * a diagonal block and nothing of a later one, so each group is scored up to its last visible key. */
+enum { SCORE_ROWS = 4 };
+
+/* The keys (< nvis) of a block starting at position b0 that some of rows qp[0..rn) see. The scores
+ * past them are masked (-inf, never read), so they need no dot. */
+static inline int64_t group_keys(const int64_t *qp, int64_t rn, int64_t b0, int64_t nvis) {
+    int64_t cols = 0;
+    for (int64_t r = 0; r < rn; r++) cols = qp[r] - b0 + 1 > cols ? qp[r] - b0 + 1 : cols;
+    return cols < nvis ? cols : nvis;
+}
+
 /* dot64.c's attend64 (same arguments, loop and KV chunks) with the contractions and the row sums
  * of p in this file's order; exp by exp32_rows (and exp32_one in the chunks' fold). pairs: q.k of BF16 q and K in the pair order.
  * Keys past the last query position of a block (masked for every row) are neither read nor
@@ -570,10 +603,13 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 else memset(vb + n * dp, 0, (size_t)D * sizeof(float));
             }
             for (int64_t n = nvis; n < nv16; n++) memset(vb + n * dp, 0, (size_t)D * sizeof(float));
-            if (pairs) {
+            if (pairs)
                 for (int64_t n = nvis; n < (nvis + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; n++) krow[n] = krow[0];
-                block_pairs(qb16, dq, R, krow, nvis, dq, sbuf, kvp);   /* sbuf[r][n] = contract_dot(q, k) */
-            } else block32(qb, R, kb, nvis, dp, sbuf, kvp);
+            for (int64_t r0 = 0; r0 < R; r0 += SCORE_ROWS) {   /* sbuf[r][n] = contract_dot(q, k) */
+                const int64_t rn = R - r0 < SCORE_ROWS ? R - r0 : SCORE_ROWS, cols = group_keys(qp + r0, rn, j * KVB, nvis);
+                if (cols && pairs) block_pairs(qb16 + r0 * dq, dq, rn, krow, cols, dq, sbuf + r0 * kvp, kvp);
+                else if (cols) block32(qb + r0 * dp, rn, kb, cols, dp, sbuf + r0 * kvp, kvp);
+            }
             for (int64_t r = 0; r < R; r++) {
                 if (j * KVB > qp[r]) continue;   /* a block this row sees nothing of: an exact no-op (m, l, o kept) */
                 float *sr = sbuf + r * kvp, bm = -INFINITY, lm[LANES];
@@ -587,9 +623,9 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
                 const float a = exp32_one(mrow[r] - m_new);
                 float *pr = pb + r * kvp;
-                for (int64_t n = 0; n < KVB; n++) pr[n] = sr[n] - m_new;
-                exp32_rows(pr, pr, nvis);
-                for (int64_t n = nvis; n < KVB; n++) pr[n] = 0.0f;    /* exp32(-inf) */
+                for (int64_t n = 0; n < see; n++) pr[n] = sr[n] - m_new;
+                exp32_rows(pr, pr, see);
+                for (int64_t n = see; n < KVB; n++) pr[n] = 0.0f;     /* exp32(-inf): the masked keys */
                 lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
                 mrow[r] = m_new;
                 pv_row(pr, vb, nvis, dp, pv + r * dp);               /* pv[r][d] = contract_dot(p, v) */

@@ -118,6 +118,11 @@ def _int64s(values):
     return (ctypes.c_int64 * len(values))(*values)
 
 
+def _longs(*ts):
+    """The tensors as contiguous int64 (per-call index tensors: no copy, nor .to's ~1 us, when they are)."""
+    return [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous() for t in ts]
+
+
 def _operand(x):
     return x if x.dtype in DTYPES else x.float()      # e.g. fp16: widening to fp32 is exact
 
@@ -221,7 +226,7 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chun
     position; V past seq_lens[s] reads as 0. Returns acc / l, fp32 [S, H, R, D]. No autograd."""
     S, H, R, D = qh.shape
     qh = qh if qh.stride(-1) == 1 else qh.contiguous()
-    token, qpos, seq_lens = (t.to(torch.int64).contiguous() for t in (token, qpos, seq_lens))
+    token, qpos, seq_lens = _longs(token, qpos, seq_lens)
     L = token.shape[1]
     lo, hi = (int(t) for t in token.aminmax())
     reach = hi + (H - 1) * head_stride + (D - 1) * dim_stride
@@ -320,7 +325,7 @@ def apply_rope(x, cos, sin):
 def paged_tokens(table, seq_lens, walked, page_size, page_stride, slot_stride):
     """[S, walked] K/V offsets into a paged cache (dot32.c paged_tokens): table[s, page] *
     page_stride + (pos % page_size) * slot_stride, the page clamped to the sequence's last."""
-    table, seq_lens = table.to(torch.int64).contiguous(), seq_lens.to(torch.int64).contiguous()
+    table, seq_lens = _longs(table, seq_lens)
     token = torch.empty(table.shape[0], walked, dtype=torch.int64)
     if library().paged_tokens(table.shape[0], table.shape[1], table.data_ptr(), seq_lens.data_ptr(), walked, page_size,
                               page_stride, slot_stride, token.data_ptr()):
