@@ -250,14 +250,7 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
         for (int64_t r = 0; r < R; r++) last = qp[r] > last ? qp[r] : last;
         int64_t j = 0;
         for (; j * KVB <= last && j * KVB < L; j++) {
-            if (j == per_chunk) {        /* chunk 0 ends: its state is the fold so far (acc stays in o) */
-                memcpy(fm, mrow, (size_t)R * sizeof(float));
-                memcpy(fl, lrow, (size_t)R * sizeof(float));
-                for (int64_t r = 0; r < R; r++) mrow[r] = -INFINITY, lrow[r] = 0.0f;
-                memset(ca, 0, (size_t)(R * D) * sizeof(float));
-            } else if (j > per_chunk && j % per_chunk == 0)
-                fold_chunk(R, D, exp64f, fm, fl, o, mrow, lrow, ca);
-            float *acc = j < per_chunk ? o : ca;
+            float *acc = chunk_step(j, per_chunk, R, D, exp64f, fm, fl, o, mrow, lrow, ca);
             for (int64_t n = 0; n < KVB; n++) {
                 const int64_t pos = j * KVB + n;
                 const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
@@ -297,10 +290,7 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
                 for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * a + pv[r * dp + d];
             }
         }
-        if (j > per_chunk) fold_chunk(R, D, exp64f, fm, fl, o, mrow, lrow, ca);   /* the last chunk */
-        const float *lsum = j > per_chunk ? fl : lrow;
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lsum[r];
+        chunk_finish(j, per_chunk, R, D, exp64f, fm, fl, o, mrow, lrow, ca);
     }
     return 0;
 }

@@ -84,6 +84,31 @@ static inline void fold_chunk(int64_t R, int64_t D, float (*expf32)(float), floa
     }
 }
 
+/* The KV-chunk bookkeeping of an attention walk (attend64, attend_lanes) at KV block j: where a
+ * chunk ends, chunk 0's state becomes the fold (its acc stays in o) or a later chunk's state is
+ * folded into it, and the next chunk starts fresh. Returns the acc block j accumulates into. */
+static inline float *chunk_step(int64_t j, int64_t per_chunk, int64_t R, int64_t D, float (*expf32)(float),
+                                float *fm, float *fl, float *o, float *m, float *l, float *ca) {
+    if (j == per_chunk) {
+        memcpy(fm, m, (size_t)R * sizeof(float));
+        memcpy(fl, l, (size_t)R * sizeof(float));
+        for (int64_t r = 0; r < R; r++) m[r] = -INFINITY, l[r] = 0.0f;
+        memset(ca, 0, (size_t)(R * D) * sizeof(float));
+    } else if (j > per_chunk && j % per_chunk == 0)
+        fold_chunk(R, D, expf32, fm, fl, o, m, l, ca);
+    return j < per_chunk ? o : ca;
+}
+
+/* The walk's end after `blocks` KV blocks: the last chunk folded (if there were several), then
+ * o = acc / l per row, every division IEEE. */
+static inline void chunk_finish(int64_t blocks, int64_t per_chunk, int64_t R, int64_t D, float (*expf32)(float),
+                                float *fm, float *fl, float *o, float *m, float *l, float *ca) {
+    if (blocks > per_chunk) fold_chunk(R, D, expf32, fm, fl, o, m, l, ca);
+    const float *lsum = blocks > per_chunk ? fl : l;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t d = 0; d < D; d++) o[r * D + d] = o[r * D + d] / lsum[r];
+}
+
 /* RMSNorm of T rows of H (dt = F32 or BF16, rows contiguous): r = x (+ residual, added in
  * dt, written to res_out); var = sumsq(r zero-padded to a multiple of lanes) / H, the
  * contract_dot(r, r) of the calling kernel; inv = 1 / sqrt(var + eps);
