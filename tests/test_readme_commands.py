@@ -61,6 +61,8 @@ NOT_HERE = {
     'command="bash scripts/h200_vllm_env.sh")': "a device-tool call on the H200",
     "bash scripts/gpu_verl_suite.sh STEP... $OUT":
         "needs a CUDA GPU (the H200) and the vLLM 0.26 + verl 0.9.1 environment there",
+    "bash scripts/gpu_verl_suite.sh sync stock $OUT":
+        "needs a CUDA GPU (the H200) and the vLLM 0.26 + verl 0.9.1 environment there",
     "bash scripts/test_vllm_cpu.sh 0.23": "downloads a second environment, ~6 GB (network)",
     "scripts/vllm_cpu_env.sh 0.23": "downloads a second environment, ~6 GB (network)",
     "bash scripts/test_vllm_cpu.sh 0.26": "downloads a second environment (network)",

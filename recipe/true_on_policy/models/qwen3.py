@@ -58,7 +58,7 @@ class Attention(nn.Module):
         t, d = x.shape[0], self.head_dim
         if self.qkv_weight is not None and not _hooked(*projections) and _rows_of(self.qkv_weight, projections):
             # one GEMM: each output is the dot product its own projection computes (contract "linear")
-            q, k, v = co.linear(x, self.qkv_weight).split([m.weight.shape[0] for m in projections], 1)
+            q, k, v = co.linear(x, self.qkv_weight.to(x.dtype)).split([m.weight.shape[0] for m in projections], 1)
             v = v.contiguous()
         else:
             q, k, v = (m(x) for m in projections)
