@@ -679,6 +679,17 @@ static void round_rows(const float *src, int dt, int64_t n, char *dst) {
     else round_rows_dt(src, F32, n, dst);
 }
 
+/* dst = dt(contract_dot(x row, w row)) [tr, n] through acc: a linear's bits (dot32p for BF16 pairs,
+ * else dot32, as native.matmul picks them) for tr rows of x (row stride sx, K contiguous) against n
+ * rows of w (strides sn, sk). Returns 0, or -1 when out of memory. */
+static int linear_rows(int pairs, int64_t tr, int64_t n, int64_t K, int dt, const char *x, int64_t sx,
+                       const char *w, int64_t sn, int64_t sk, float *acc, char *dst) {
+    const int64_t shape[6] = {1, 1, 1, tr, n, K}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sn, sk};
+    const int rc = (pairs ? dot32p : dot32)(shape, x, dt, sa, w, dt, sb, NULL, acc);
+    if (!rc) round_rows(acc, dt, tr * n, dst);
+    return rc;
+}
+
 /* Rows per chunk of moe_experts32 and the fused calls at the end of this file: their buffers stay
  * small (a prefill's multi-MB allocations page-faulted on every call) and in L2; every output is
  * computed alone, so chunks change no bit. */
@@ -733,10 +744,8 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
         for (int64_t i0 = start[le]; i0 < start[le + 1] && !rc; i0 += rows) {
             const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
             for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
-            const int64_t shape1[6] = {1, 1, 1, n, 2 * I, H}, sa1[5] = {0, 0, 0, H, 1}, sb1[5] = {0, 0, 0, sgu[1], sgu[2]};
-            rc = dot(shape1, xa, dt, sa1, gu + le * sgu[0] * e, dt, sb1, NULL, g);
+            rc = linear_rows(pairs, n, 2 * I, H, dt, xa, H, gu + le * sgu[0] * e, sgu[1], sgu[2], g, gd);   /* gu in dt */
             if (rc) break;
-            round_rows(g, dt, n * 2 * I, gd);                                          /* gu rounded to dt */
             rc = silu_mul32(n, I, dt, gd, 2 * I, gd + I * e, 2 * I, h);
             if (rc) break;
             const int64_t shape2[6] = {1, 1, 1, n, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, sdn[1], sdn[2]};
@@ -841,14 +850,8 @@ int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, in
         const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
         for (int i = 0; i < 3 && !rc; i++) {
             const int64_t n = heads[i] * D;
-            const int64_t shape[6] = {1, 1, 1, tr, n, H}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
-            rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * e, dt, sa, w[i], dt, sb, NULL, acc);
-            if (rc) break;
-            if (!nw[i]) {
-                round_rows(acc, dt, tr * n, out[i] + t0 * n * e);                     /* linear's .to(dt) */
-                continue;
-            }
-            round_rows(acc, dt, tr * n, rounded);
+            rc = linear_rows(pairs, tr, n, H, dt, x + t0 * sx * e, sx, w[i], sw, 1, acc, nw[i] ? rounded : out[i] + t0 * n * e);
+            if (rc || !nw[i]) continue;                                                /* v: the linear alone */
             rms_norm_rows32(tr * heads[i], D, dt, rounded, D, NULL, 0, nw[i], eps, normed, NULL);
             rope_rows(tr, heads[i], D, dt, normed, cos + t0 * half, sin + t0 * half, out[i] + t0 * n * e);
         }
@@ -871,10 +874,8 @@ int linear_add_norm32(int64_t T, int64_t K, int64_t N, int dt, const char *x, in
     int rc = acc && y ? 0 : -1;
     for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
         const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
-        const int64_t shape[6] = {1, 1, 1, tr, N, K}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
-        rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * e, dt, sa, w, dt, sb, NULL, acc);
+        rc = linear_rows(pairs, tr, N, K, dt, x + t0 * sx * e, sx, w, sw, 1, acc, y);
         if (rc) break;
-        round_rows(acc, dt, tr * N, y);                                               /* linear's .to(dt) */
         rms_norm_rows32(tr, N, dt, y, N, res + t0 * sres * e, sres, nw, eps, out + t0 * N * e, res_out + t0 * N * e);
     }
     free(acc);
@@ -891,20 +892,13 @@ int mlp32(int64_t T, int64_t H, int64_t I, int dt, const char *x, int64_t sx, co
     const int64_t e = ELEM[dt];
     float *acc = malloc((size_t)(FUSED_ROWS * (I > H ? I : H)) * sizeof(float));
     char *gu = malloc((size_t)(3 * FUSED_ROWS * I * e)), *h = gu + 2 * FUSED_ROWS * I * e;
-    int (*dot)(const int64_t *, const char *, int, const int64_t *, const char *, int, const int64_t *,
-               const int64_t *, float *) = pairs ? dot32p : dot32;
     int rc = acc && gu ? 0 : -1;
     for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
         const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
-        const int64_t s1[6] = {1, 1, 1, tr, I, H}, sa1[5] = {0, 0, 0, sx, 1}, sb1[5] = {0, 0, 0, H, 1};
-        for (int i = 0; i < 2 && !rc; i++) {                                           /* gate, then up */
-            rc = dot(s1, x + t0 * sx * e, dt, sa1, i ? wu : wg, dt, sb1, NULL, acc);
-            if (!rc) round_rows(acc, dt, tr * I, gu + i * tr * I * e);
-        }
+        for (int i = 0; i < 2 && !rc; i++)                                              /* gate, then up */
+            rc = linear_rows(pairs, tr, I, H, dt, x + t0 * sx * e, sx, i ? wu : wg, H, 1, acc, gu + i * tr * I * e);
         if (!rc) rc = silu_mul32(tr, I, dt, gu, I, gu + tr * I * e, I, h);
-        const int64_t s2[6] = {1, 1, 1, tr, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, I, 1};
-        if (!rc) rc = dot(s2, h, dt, sa2, wd, dt, sb2, NULL, acc);
-        if (!rc) round_rows(acc, dt, tr * H, out + t0 * H * e);
+        if (!rc) rc = linear_rows(pairs, tr, H, I, dt, h, I, wd, I, 1, acc, out + t0 * H * e);
     }
     free(acc);
     free(gu);

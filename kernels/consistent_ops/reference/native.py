@@ -123,6 +123,11 @@ def _longs(*ts):
     return [t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous() for t in ts]
 
 
+def _unit_last(t):
+    """t with a unit-stride last dimension (rows may keep any stride): a copy only when it has not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _operand(x):
     return x if x.dtype in DTYPES else x.float()      # e.g. fp16: widening to fp32 is exact
 
@@ -225,7 +230,7 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chun
     d * dim_stride (a padded layout or a paged cache read in place); qpos [S, R] each row's
     position; V past seq_lens[s] reads as 0. Returns acc / l, fp32 [S, H, R, D]. No autograd."""
     S, H, R, D = qh.shape
-    qh = qh if qh.stride(-1) == 1 else qh.contiguous()
+    qh = _unit_last(qh)
     token, qpos, seq_lens = _longs(token, qpos, seq_lens)
     L = token.shape[1]
     lo, hi = (int(t) for t in token.aminmax())
@@ -284,7 +289,7 @@ def silu_mul(gate, up):
     No autograd."""
     c = gate.shape[-1]
     g, u = gate.reshape(-1, c), up.reshape(-1, c)      # views where rows are strided (a chunk of gate|up)
-    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, u))
+    g, u = _unit_last(g), _unit_last(u)
     out = torch.empty(gate.shape, dtype=gate.dtype)
     if out.numel() and library().silu_mul32(g.shape[0], c, DTYPES[gate.dtype], g.data_ptr(), g.stride(0),
                                             u.data_ptr(), u.stride(0), out.data_ptr()):
@@ -300,7 +305,7 @@ def moe_experts(x, ids, weights, gate_up, down, first):
     bf16 realisations only (fp64 operands take dot64.c). No autograd."""
     t, k = ids.shape
     h, inter = x.shape[-1], down.shape[-1]
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _unit_last(x)
     ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
     contrib = torch.empty(t * k, h, dtype=torch.float32)
     owned = torch.empty(t * k, dtype=torch.bool)
@@ -348,7 +353,7 @@ def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
     """reference/linear.py attention_prologue in one call (dot32.c attn_prologue32): x [T, H] and
     the weights of one ACTIVATIONS dtype, fp32 cos/sin [T, D/2]; the fp32/bf16 realisations. No autograd."""
     t, d = x.shape[0], head_dim
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _unit_last(x)
     wq, wk, wv, q_norm, k_norm, cos, sin = (w.contiguous() for w in (wq, wk, wv, q_norm, k_norm, cos, sin))
     q = torch.empty(t, wq.shape[0] // d, d, dtype=x.dtype)
     k, v = (torch.empty(t, wk.shape[0] // d, d, dtype=x.dtype) for _ in range(2))
@@ -364,7 +369,7 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
     """reference/linear.py linear_add_rms_norm in one call (dot32.c linear_add_norm32): x [T, K],
     weight [N, K], residual [T, N], all of one ACTIVATIONS dtype; the fp32/bf16 realisations.
     Returns (RMSNorm(y + residual), y + residual), y = linear(x, weight). No autograd."""
-    x, residual = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, residual))
+    x, residual = _unit_last(x), _unit_last(residual)
     weight, norm_weight = weight.contiguous(), norm_weight.contiguous()
     out, res_out = (torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype) for _ in range(2))
     if library().linear_add_norm32(x.shape[0], x.shape[1], weight.shape[0], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
@@ -378,7 +383,7 @@ def linear_add_rms_norm(x, weight, residual, norm_weight, eps):
 def mlp(x, gate, up, down):
     """reference/linear.py mlp in one call (dot32.c mlp32): x [T, H], gate/up [I, H], down [H, I], all
     of one ACTIVATIONS dtype; the fp32/bf16 realisations. Returns [T, H]. No autograd."""
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _unit_last(x)
     gate, up, down = gate.contiguous(), up.contiguous(), down.contiguous()
     out = torch.empty(x.shape[0], down.shape[0], dtype=x.dtype)
     if library().mlp32(x.shape[0], x.shape[1], gate.shape[0], DTYPES[x.dtype], x.data_ptr(), x.stride(0),
