@@ -139,10 +139,14 @@ def profile(llm, engine, work, rows=20):
                      key=lambda e: e.self_device_time_total, reverse=True)
     launches = {name: sum(e.count for e in events if e.key == name)
                 for name in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")}
+    # the host's side: which ops and runtime calls hold the CPU (self time), e.g. a sync or a copy per step
+    host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)
     return {"requests": len(work), "tokens": sum(n for _, n in work), "wall_ms": wall_ms,
             "total_ms": sum(e.self_device_time_total for e in kernels) / 1e3, "launches": launches,
             "top": [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count}
-                    for e in kernels[:rows]]}
+                    for e in kernels[:rows]],
+            "host": [{"op": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in host[:rows]]}
 
 
 # ----------------------------------------------------------------------------- parent
@@ -188,6 +192,9 @@ def main(argv=None):
                       f"({k['total_ms'] / k['wall_ms']:.0%}); host launches {k['launches']}; top kernels:")
                 for row in k["top"]:
                     print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['kernel']}")
+                print(f"[{engine}] top host ops (self CPU time):")
+                for row in k["host"]:
+                    print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['op']}")
             continue
         r["batch_s"] = statistics.median(r["seconds"])
         r["tokens_per_s"] = r["tokens"] / r["batch_s"]
