@@ -9,8 +9,11 @@ for them), and per-request response lengths with a long tail (log-normal, median
 --max-response, capped there; ignore_eos, so both engines generate exactly the same number of
 tokens). Each engine runs in its own process: start-up, a warm-up generate (every request, 32
 tokens: kernel compilation and autotuning happen there), then
---repeats timed generates of the whole batch (prefix cache reset before each). Reported:
-output tokens/s and the time to finish the batch (medians over repeats), and plugin / stock.
+--repeats timed generates of the whole batch (prefix cache reset before each). --rounds runs
+that many fresh processes of each engine, interleaved (stock, plugin, stock, ...): on the H200 one
+engine's batch time moved by up to 1.5x between processes (2026-12-03), so a ratio needs several.
+Reported: output tokens/s and the time to finish the batch (medians over every timed generate of
+all rounds), each round's plugin / stock, and plugin / stock of the medians.
 
     python3 benchmarks/bench_vllm_gpu.py --model DIR [--json out.json]
     python3 benchmarks/bench_vllm_gpu.py --model DIR --max-response 16384 --prompts 16
@@ -39,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=8, help="samples per prompt (separate requests)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-response", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="timed generates per engine process")
+    p.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved")
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--profile", action="store_true", help="instead of timing: each engine's top CUDA "
@@ -49,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
-           if k in ("prompts", "n", "prompt_len", "max_response", "repeats") and v < 1]
+           if k in ("prompts", "n", "prompt_len", "max_response", "repeats", "rounds") and v < 1]
     if bad or not Path(a.model, "config.json").is_file():
         print(f"error: {', '.join(bad) or f'--model {a.model}: no config.json'}: "
               f"{'use 1 or more' if bad else 'pass a HF checkpoint directory'}", file=sys.stderr)
@@ -150,13 +154,26 @@ def profile(llm, engine, work, rows=20):
 
 
 # ----------------------------------------------------------------------------- parent
+def print_profile(engine, r):
+    for part in ("kernels", "tail"):
+        k = r[part]
+        print(f"\n[{engine}] {k['requests']} requests x {k['tokens'] // k['requests']} tokens: wall "
+              f"{k['wall_ms']:.1f} ms, CUDA kernel time {k['total_ms']:.1f} ms "
+              f"({k['total_ms'] / k['wall_ms']:.0%}); host launches {k['launches']}; top kernels:")
+        for row in k["top"]:
+            print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['kernel']}")
+        print(f"[{engine}] top host ops (self CPU time):")
+        for row in k["host"]:
+            print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['op']}")
+
+
 def run_engine(args, engine):
     env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
     env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
     if args.profile:            # engine core in this process, so the profiler sees its kernels
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("json", "child", "profile", "engines")] + (["--profile"] if args.profile else [])
+            if k not in ("json", "child", "profile", "engines", "rounds")] + (["--profile"] if args.profile else [])
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", engine], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     tail = []
@@ -179,30 +196,37 @@ def main(argv=None):
     total = args.prompts * args.n
     print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({total} requests), prompts ~"
           f"{args.prompt_len} tokens, responses <= {args.max_response}; engines {args.engines}", flush=True)
-    results = {}
-    for engine in args.engines.split(","):
-        t = time.time()
-        r = results[engine] = run_engine(args, engine)
-        r["wall_s"] = time.time() - t
-        if args.profile:
-            for part in ("kernels", "tail"):
-                k = r[part]
-                print(f"\n[{engine}] {k['requests']} requests x {k['tokens'] // k['requests']} tokens: wall "
-                      f"{k['wall_ms']:.1f} ms, CUDA kernel time {k['total_ms']:.1f} ms "
-                      f"({k['total_ms'] / k['wall_ms']:.0%}); host launches {k['launches']}; top kernels:")
-                for row in k["top"]:
-                    print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['kernel']}")
-                print(f"[{engine}] top host ops (self CPU time):")
-                for row in k["host"]:
-                    print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['op']}")
-            continue
-        r["batch_s"] = statistics.median(r["seconds"])
-        r["tokens_per_s"] = r["tokens"] / r["batch_s"]
-        print(f"[bench_vllm_gpu] {engine}: engine up in {r['engine_start_s']:.1f}s; {r['tokens']} output tokens "
-              f"in {r['batch_s']:.2f}s ({', '.join(f'{s:.2f}' for s in r['seconds'])}): "
-              f"{r['tokens_per_s']:.0f} tokens/s", flush=True)
+    results, rounds = {}, []
+    for i in range(1 if args.profile else args.rounds):
+        this = {}
+        for engine in args.engines.split(","):
+            t = time.time()
+            r = this[engine] = run_engine(args, engine)
+            r["wall_s"] = time.time() - t
+            if args.profile:
+                results[engine] = r
+                print_profile(engine, r)
+                continue
+            r["batch_s"] = statistics.median(r["seconds"])
+            print(f"[bench_vllm_gpu] round {i + 1}/{args.rounds} {engine}: engine up in {r['engine_start_s']:.1f}s; "
+                  f"{r['tokens']} output tokens in {r['batch_s']:.2f}s ({', '.join(f'{s:.2f}' for s in r['seconds'])})"
+                  f": {r['tokens'] / r['batch_s']:.0f} tokens/s", flush=True)
+        if not args.profile:
+            rounds.append(this)
+    if not args.profile:
+        for engine in args.engines.split(","):
+            runs = [r[engine] for r in rounds]
+            results[engine] = {"engine": engine, "tokens": runs[0]["tokens"],
+                               "seconds": [s for r in runs for s in r["seconds"]],
+                               "engine_start_s": statistics.median(r["engine_start_s"] for r in runs),
+                               "wall_s": sum(r["wall_s"] for r in runs)}
+            results[engine]["batch_s"] = statistics.median(results[engine]["seconds"])
+            results[engine]["tokens_per_s"] = results[engine]["tokens"] / results[engine]["batch_s"]
     if not args.profile and "stock" in results:
         base = results["stock"]
+        if len(rounds) > 1 and "plugin" in results:
+            print("per round, plugin / stock: " + ", ".join(
+                f"{r['stock']['batch_s'] / r['plugin']['batch_s']:.3f}" for r in rounds))
         print(f"\n{'engine':<8}{'output tok/s':>14}{'batch s':>10}{'vs stock':>10}")
         for engine, r in results.items():
             print(f"{engine:<8}{r['tokens_per_s']:>14.0f}{r['batch_s']:>10.2f}"
@@ -210,7 +234,7 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "date": time.strftime("%Y-%m-%d %H:%M"),
                                                "args": {k: v for k, v in vars(args).items() if k != "child"},
-                                               "results": results}, indent=2) + "\n")
+                                               "results": results, "rounds": rounds}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #           $GPU_VLLM_LAYERS of the 48 layers, default 8) at $GPU_VLLM_MODEL, unless already there
 #   check   python -m true_on_policy.check with CUDA graphs and prefix caching: T=0.7, then top-p 0.9
 #           / top-k 20 (both must be exact), then --stock (the gap without the plugin, recorded)
-#   bench   benchmarks/bench_vllm_gpu.py: an RL-shaped rollout, stock vLLM vs the plugin
+#   bench   benchmarks/bench_vllm_gpu.py: an RL-shaped rollout, stock vLLM vs the plugin, in
+#           $GPU_VLLM_ROUNDS (default 2) interleaved rounds of fresh processes (~2.5 min a round warm)
 #   long    the same with long responses: 8 prompts x n=8, up to 16,384 tokens (estimated ~7 min)
 #   profile benchmarks/bench_vllm_gpu.py --profile: each engine's top CUDA kernels
 # Exit status: non-zero if a step failed or a plugin check found a difference.
@@ -47,7 +48,8 @@ for step in "${steps[@]}"; do
         python3 -m true_on_policy.check "${common[@]}" --temperature 0.7 --stock --json "$out/check_stock.json" \
             2>&1 | tee "$out/check_stock.log" ;;
     bench)
-        run bench python3 benchmarks/bench_vllm_gpu.py --model "$model" --json "$out/bench.json" ;;
+        run bench python3 benchmarks/bench_vllm_gpu.py --model "$model" --rounds "${GPU_VLLM_ROUNDS:-2}" \
+            --json "$out/bench.json" ;;
     long)
         run long python3 benchmarks/bench_vllm_gpu.py --model "$model" --prompts 8 --max-response 16384 \
             --json "$out/long.json" ;;

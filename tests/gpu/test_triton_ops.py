@@ -196,7 +196,7 @@ def test_linear_rows_across_every_tile_entry(shape):
     k, n = SHAPES[shape]
     x, w = rand(4096, k, seed=21), rand(n, k, seed=22, scale=k ** -0.5)
     full = co.linear(x, w)
-    for m in (16, 17, 64, 65, 128, 129, 512, 513, 2048):
+    for m in (1, 4, 15, 16, 17, 64, 65, 128, 129, 512, 513, 2048):
         assert torch.equal(co.linear(x[:m], w), full[:m]), f"M={m}"
     entries = [*gemm._TINY.values(), *gemm._NARROW.values(), gemm._MID_WIDE, gemm._MID_TALL, gemm._LARGE,
                gemm._HUGE]

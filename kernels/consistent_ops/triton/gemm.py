@@ -27,6 +27,12 @@ from .common import ASCEND as _ASCEND, EXACT, HALF_DOT_PRECISION, INTERPRET as _
 # every switch point). Picked from that probe (qkv and o_proj shapes, graph replays).
 _T = TRITON_TILES["gemm"]
 _TINY = _T["tiny"]              # M <= 16: mma 16-row tiles, no padded rows read
+# H200 (bench_triton --only probe_linear_decode, M 1 / 4 / 16, graph replays, 2026-12-03): qkv
+# N 5120 "mid" 6.9 / 6.9 / 6.4 us (cuBLAS 6.4 / 6.2 / 5.5; the 64-column tile with K steps of 128
+# before: 11.0 / 7.7 / 7.4), o_proj N 2048 "narrow" 9.4 / 9.3 / 9.0 (cuBLAS 7.4 / 7.1 / 6.8; a
+# 64-row tile before: 29.7 / 18.9 / 9.3), router N 128 5.4 (5.6-5.8 before); lm_head N 151,936
+# keeps "wide" (144-151 us, cuBLAS 150-154). Bits the same as the tile before in every case.
+_TINY_WIDE_N, _TINY_MID_N = 16384, 4096
 _NARROW = _T["narrow"]          # M <= 128: the widest BLOCK_N that still gives >= _MIN_PROGRAMS programs
 _MID_WIDE, _MID_TALL = _T["mid_wide"], _T["mid_tall"]   # M <= 512
 _LARGE = _T["large"]
@@ -42,8 +48,8 @@ def _programs(m, n, cfg):
 def _config(m, n):
     if _INTERPRET or _ASCEND:   # one tile for all M: the CPU interpreter's numpy dots of other
         return _NARROW[64]      # shapes round differently; Ascend's cube order across shapes is undocumented
-    if m <= 16:
-        return _TINY[64] if triton.cdiv(n, 64) >= 64 else _TINY[32]
+    if m <= 16:   # the decode tail: weight-streaming, so many short programs (probe_linear_decode)
+        return _TINY["wide"] if n >= _TINY_WIDE_N else _TINY["mid"] if n >= _TINY_MID_N else _TINY["narrow"]
     if m <= 128:
         return next((c for c in _NARROW.values() if _programs(m, n, c) >= _MIN_PROGRAMS), _NARROW[16])
     if m <= 512:

@@ -1,0 +1,43 @@
+"""benchmarks/bench_vllm_gpu.py's parent side (no GPU, no vLLM): the interleaved rounds, the
+pooled medians and per-round ratios it reports, and its refusal of bad counts."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_vllm_gpu.py"
+_spec = importlib.util.spec_from_file_location("bench_vllm_gpu", SCRIPT)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_rounds_interleave_engines_and_pool_every_timed_generate(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    times = {"stock": iter([[30.0, 31.0], [34.0, 36.0]]), "plugin": iter([[40.0, 42.0], [32.0, 33.0]])}
+    order = []
+
+    def fake_engine(args, engine):
+        order.append(engine)
+        return {"engine": engine, "engine_start_s": 20.0, "seconds": next(times[engine]), "tokens": 1000}
+
+    monkeypatch.setattr(bench, "run_engine", fake_engine)
+    out = tmp_path / "b.json"
+    bench.main(["--model", str(tmp_path), "--rounds", "2", "--repeats", "2", "--json", str(out)])
+    assert order == ["stock", "plugin", "stock", "plugin"]
+    doc = json.loads(out.read_text())
+    stock, plugin = doc["results"]["stock"], doc["results"]["plugin"]
+    assert stock["seconds"] == [30.0, 31.0, 34.0, 36.0] and stock["batch_s"] == 32.5
+    assert plugin["batch_s"] == 36.5 and plugin["tokens_per_s"] == 1000 / 36.5
+    assert [r["plugin"]["batch_s"] for r in doc["rounds"]] == [41.0, 32.5]
+    printed = capsys.readouterr().out
+    assert "per round, plugin / stock: 0.744, 1.077" in printed
+    assert ["plugin", "27", "36.50", "0.890"] in [line.split() for line in printed.splitlines()]
+
+
+def test_a_bad_count_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--rounds", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --rounds 0: use 1 or more"
