@@ -4,8 +4,8 @@ Medians of triton.testing.do_bench (linear and decode: do_bench_cudagraph, marke
 "(graph)", so that device time, not host launch cost, is compared; attention: ours and stock in
 interleaved rounds, the median over rounds). "x stock" = stock
 time / our time (> 1: we are faster). Sections: attention fwd+bwd vs SDPA (flash and cuDNN backends, named), paged
-decode vs the HBM roofline (copy bandwidth measured in this run), linear vs cuBLAS,
-grouped MoE experts vs torch._grouped_mm, 4-layer actor fwd+bwd vs stock HF.
+decode vs the HBM roofline (copy bandwidth measured in this run), linear vs cuBLAS, the
+rollout's log-softmax vs torch's, grouped MoE experts vs torch._grouped_mm, 4-layer actor fwd+bwd vs stock HF.
 
     PYTHONPATH=kernels:recipe:tests/gpu python benchmarks/bench_triton.py [--json FILE]
     ... --only probe      # tile probes: every GEMM / MoE tile entry, its time and its bits
@@ -138,12 +138,30 @@ def paged_decode(bw_tbs):
 def linear():
     for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048))):
         w = rand(n, k, scale=k ** -0.5)
-        for m in (16, 64, 256, 1024, 4096):
+        for m in (1, 4, 16, 64, 256, 1024, 4096):
             x = rand(m, k)
             ours = bench_graph(lambda: co.linear(x, w))
             stock = bench_graph(lambda: F.linear(x, w))
             record("linear", f"{name} M={m} K={k} N={n} (graph)", ours, {"cuBLAS": stock},
                    f"{2 * m * n * k / ours / 1e9:.0f} TFLOP/s", ">= 0.95x" if m >= 1024 else ">= 0.9x")
+
+
+def logprobs():
+    """The rollout's log-probs per step (outside vLLM's graphs there; timed as graph replays here):
+    ours (the contract's log_softmax at per-row T) vs stock's log_softmax(logits / T), rows 1..512
+    of the real vocabulary; each row count's bits against the 512-row call's rows."""
+    v = 151936
+    logits = rand(512, v, scale=3.0, dtype=torch.float32)
+    temps = torch.full((512,), 0.7, device=DEV)
+    full = co.log_softmax(logits, temps, v - 64)
+    for rows in (1, 8, 64, 512):
+        z, t = logits[:rows], temps[:rows]
+        same = torch.equal(co.log_softmax(z, t, v - 64), full[:rows])
+        ours = bench_graph(lambda: co.log_softmax(z, t, v - 64))
+        stock = bench_graph(lambda: torch.log_softmax(z / t[:, None], -1))
+        record("logprobs", f"log_softmax rows={rows} V={v} (graph)", ours, {"torch": stock},
+               f"{rows * v * 4 * 2 / ours / 1e9:.0f} GB/s; rows == 512-row call: {'same' if same else 'DIFF'}",
+               ">= 0.9x")
 
 
 def moe():
@@ -546,7 +564,7 @@ def print_table():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write all rows here")
-    ap.add_argument("--only", nargs="*", default=["attention", "decode", "linear", "moe", "actor"])
+    ap.add_argument("--only", nargs="*", default=["attention", "decode", "linear", "logprobs", "moe", "actor"])
     args = ap.parse_args()
     co.set_backend("triton")
     torch.manual_seed(0)
@@ -554,7 +572,8 @@ def main():
     print(f"# {datetime.date.today()} {name} torch {torch.__version__} triton "
           f"{__import__('triton').__version__} contract {co.contract_fingerprint()}", flush=True)
     bw = ceilings() if any(k in args.only for k in ("decode", "attention")) else 0
-    steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, moe=moe,
+    steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, logprobs=logprobs,
+                 moe=moe,
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,

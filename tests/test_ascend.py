@@ -31,7 +31,8 @@ def test_every_ascend_kernel_compiles_with_triton_ascend():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     n = int(re.search(r"^(\d+) kernels compiled for Ascend, 0 failed$", res.stdout, re.M).group(1))
     assert n >= 25
-    for kernel in ("_gemm_kernel", "_rms_norm_kernel", "_log_softmax_kernel", "_token_logprob_kernel",
+    for kernel in ("_gemm_kernel", "_rms_norm_kernel", "_lane_max_kernel", "_lane_sum_kernel",
+                   "_log_softmax_kernel", "_token_logprob_kernel",
                    "_token_logprob_bwd_kernel", "_softmax_kernel", "_route_kernel", "_plan_kernel",
                    "_gate_up_kernel", "_down_kernel", "_attn_fwd_kernel", "_fold_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel",
                    "_rms_norm_bwd_kernel"):

@@ -502,15 +502,19 @@ def test_full_graphs_are_capped_at_max_model_len():
         assert unchanged[0] in (2048, None) and unchanged[1] is None, unchanged
 
 
-def test_logits_warm_up_runs_every_batch_size_first():
+def test_logits_warm_up_runs_every_batch_size_first(monkeypatch):
     """The first compute_logits (vLLM's sampler warm-up) runs rows 1..n and the contract's
-    log-probs for one and many rows and both vocab-limit kinds, so Triton compiles there."""
+    log-probs at every power of two of rows up to n, and n (the log-softmax's lane groups change
+    there), for both vocab-limit kinds, so Triton compiles there."""
+    import consistent_ops as co
     from true_on_policy.vllm.model import warm_logits
-    seen = []
+    seen, softmaxed = [], []
 
     def compute(h):
         seen.append(h.shape[0])
         return torch.randn(h.shape[0], 40)
+    monkeypatch.setattr(co, "log_softmax", lambda z, t, limit: softmaxed.append((z.shape[0], limit)))
     warm_logits(compute, torch.zeros(5, 8))
     warm_logits(compute, torch.zeros(0, 8))
     assert seen == [1, 2, 3, 4, 5]
+    assert softmaxed == [(r, lim) for r in (1, 2, 4, 5) for lim in (40, 39)]

@@ -369,6 +369,21 @@ def test_log_softmax_temperature_and_vocab_limit():
     assert rel(*grads) < 1e-5
 
 
+def test_log_softmax_lane_groups_keep_bits():
+    """Passes 1-2 split a row's lanes over 1, 2 or 16 programs (the decode tail's fill): the same
+    bits, as each lane still walks every block in order and one tree reduces the stored row. The
+    companion: torch's log_softmax of the same z differs."""
+    from consistent_ops.triton import logprobs as tl_lp
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 9000, generator=g) * 4
+    temp = torch.tensor([0.7, 1.0, 1.3])
+    outs = [tl_lp._log_softmax_kernel_call(logits, temp, 8800, groups=n) for n in (1, 2, 16)]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert tl_lp.lane_groups(3) == 16 and tl_lp.lane_groups(4096) == 1
+    z = (logits / temp[:, None]).masked_fill(torch.arange(9000) >= 8800, float("-inf"))
+    assert not torch.equal(outs[0], torch.log_softmax(z, -1))
+
+
 # ---------------------------------------------------------------- MoE
 H, I, E, K = 128, 128, 8, 2
 

@@ -73,6 +73,7 @@ TRITON_TILES = {
     },
     "rms_norm_elements": 2048,              # elements a program: a row of H >= 2048, else 2048 / H rows
     "logprob_block": TRITON_LOGPROB_BLOCK,
+    "logprob_finish_warps": 8,              # warps of the one tree over a row's stored accumulator
 }
 
 COMMON = {
@@ -189,7 +190,8 @@ ACCUMULATION = {
             "reduced along its own axis, tree shape a function of the row length only (RMSNorm, router "
             "softmax; without autograd the router's top-k and renormalisation run in the same kernel); "
             f"log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
-            f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator, then one tree sum; attention row max/sum stay "
+            f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator (lane j: columns j, j + {TRITON_LOGPROB_BLOCK}, ... "
+            "in order), stored, then one tree sum over the stored row; attention row max/sum stay "
             "inside one warp"),
         "transcendentals": (
             "exp/log in fp64 (libdevice) rounded to fp32, except the attention online softmax: fp32 exp2 "

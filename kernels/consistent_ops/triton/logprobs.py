@@ -1,10 +1,16 @@
 """Log-probs on Triton: fp32 log-softmax with temperature and the padded-vocabulary rule.
 
-One row per program. The vocabulary is walked in blocks of _BLOCK columns, in order:
-pass 1 takes the max (exact in any order), pass 2 adds exp(z - m) into a _BLOCK-wide
-fp32 accumulator and reduces it by one fixed tree; so a row's bits depend on V and the
-row alone. exp and log are evaluated in fp64 and rounded to fp32 (the contract's
-transcendentals); z = logits / T is an IEEE division by an fp32 temperature.
+The vocabulary is walked in blocks of _BLOCK columns, in order: pass 1 takes the max (exact
+in any order), pass 2 adds exp(z - m) into a _BLOCK-wide fp32 accumulator, lane j taking
+columns j, _BLOCK + j, 2 _BLOCK + j, ... one after another, and the accumulator is reduced
+by one fixed tree (``_row_lse``, always 8 warps over the stored [_BLOCK] row: the same code,
+so the same tree, for the rollout's log_softmax and the trainer's token_logprobs); so a
+row's bits depend on V and the row alone. Lanes are independent until that tree, so passes 1
+and 2 split a row's lanes over ``groups`` programs (each program a contiguous run of lanes
+through every block) without changing a bit: few rows (the decode tail: 8 rows x 151,936
+columns ran 8 programs on 132 SMs, 116 us) fill the GPU. exp and log are evaluated in fp64
+and rounded to fp32 (the contract's transcendentals); z = logits / T is an IEEE division by
+an fp32 temperature.
 """
 import torch
 import triton
@@ -13,9 +19,23 @@ import triton.language as tl
 from ..contract import TRITON_TILES
 from ..reference import logprobs as ref
 from .autograd import with_torch_grad
-from .common import EXACT, SCALAR_DIV_RN, exp32, log32
+from .common import ASCEND, EXACT, SCALAR_DIV_RN, exp32, log32
 
-_BLOCK, _WARPS = TRITON_TILES["logprob_block"], 8
+_BLOCK, _WARPS = TRITON_TILES["logprob_block"], TRITON_TILES["logprob_finish_warps"]
+# Lane groups: at least _LANES_MIN lanes a program; programs up to 2 waves of the H200's SMs.
+_LANES_MIN, _PROGRAMS = 256, 2 * 132
+_GROUPS_MAX = _BLOCK // _LANES_MIN    # the maxima's width read back (masked): one compiled finish
+
+
+def lane_groups(rows):
+    """Programs a row's lanes split over in passes 1-2 (a power of two; speed only: bits
+    never depend on it). Ascend: 1 (its launch limit counts programs; no fill to gain there)."""
+    if ASCEND:
+        return 1
+    g = 1
+    while g * 2 <= _GROUPS_MAX and rows * g * 2 <= _PROGRAMS:
+        g *= 2
+    return g
 
 
 @triton.jit
@@ -26,36 +46,62 @@ def _z(Row, cols, vlim, t):
 
 
 @triton.jit
-def _row_max_lse(Row, vlim, t, BLOCK: tl.constexpr):
-    cols = tl.arange(0, BLOCK)
-    mx = tl.full([BLOCK], float("-inf"), tl.float32)
-    for c0 in range(0, vlim, BLOCK):          # pass 1: m = max z
-        mx = tl.maximum(mx, _z(Row, c0 + cols, vlim, t))
-    m = tl.max(mx, 0)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, vlim, BLOCK):          # pass 2: sum exp(z - m), blocks in order
-        zs = _z(Row, c0 + cols, vlim, t) - m
-        acc += exp32(zs)
-    lse = log32(tl.sum(acc, 0))
-    return m, lse
+def _lane_max_kernel(Z, Temp, Mx, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr):
+    """Pass 1 over one run of lanes: Mx[row, group] = max z over them (exact in any order)."""
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t = tl.load(Temp + row * stride_t)
+    lanes = group * LANES + tl.arange(0, LANES)
+    mx = tl.full([LANES], float("-inf"), tl.float32)
+    for c0 in range(0, vlim, BLOCK):
+        mx = tl.maximum(mx, _z(Z + row * stride_z, c0 + lanes, vlim, t))
+    tl.store(Mx + row * tl.num_programs(1) + group, tl.max(mx, 0))
 
 
 @triton.jit
-def _log_softmax_kernel(Z, Temp, Out, V, vlim, stride_z, stride_o, stride_t, BLOCK: tl.constexpr):
+def _row_max(Mx, row, groups, GB: tl.constexpr):
+    return tl.max(tl.load(Mx + row * groups + tl.arange(0, GB), mask=tl.arange(0, GB) < groups,
+                          other=float("-inf")), 0)
+
+
+@triton.jit
+def _lane_sum_kernel(Z, Temp, Mx, Acc, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr,
+                     GB: tl.constexpr):
+    """Pass 2 over one run of lanes: each lane's sum of exp(z - m) over the blocks, in order."""
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t = tl.load(Temp + row * stride_t)
+    m = _row_max(Mx, row, tl.num_programs(1), GB)
+    lanes = group * LANES + tl.arange(0, LANES)
+    acc = tl.zeros([LANES], tl.float32)
+    for c0 in range(0, vlim, BLOCK):
+        acc += exp32(_z(Z + row * stride_z, c0 + lanes, vlim, t) - m)
+    tl.store(Acc + row * BLOCK + lanes, acc)
+
+
+@triton.jit
+def _row_lse(Mx, Acc, row, groups, BLOCK: tl.constexpr, GB: tl.constexpr):
+    """(m, log-sum-exp) of a row: the one tree over its stored accumulator (see the docstring)."""
+    return _row_max(Mx, row, groups, GB), log32(tl.sum(tl.load(Acc + row * BLOCK + tl.arange(0, BLOCK)), 0))
+
+
+@triton.jit
+def _log_softmax_kernel(Z, Temp, Mx, Acc, Out, V, vlim, groups, stride_z, stride_o, stride_t,
+                        BLOCK: tl.constexpr, GB: tl.constexpr):
+    """Pass 3: logp = (z - m) - lse over blocks part, part + parts, ... of the row."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(Temp + row * stride_t)
-    m, lse = _row_max_lse(Z + row * stride_z, vlim, t, BLOCK)
+    m, lse = _row_lse(Mx, Acc, row, groups, BLOCK, GB)
     cols = tl.arange(0, BLOCK)
-    for c0 in range(0, V, BLOCK):             # pass 3: logp = (z - m) - lse
+    for c0 in range(tl.program_id(1) * BLOCK, V, tl.num_programs(1) * BLOCK):
         c = c0 + cols
         tl.store(Out + row * stride_o + c, (_z(Z + row * stride_z, c, vlim, t) - m) - lse, mask=c < V)
 
 
 @triton.jit
-def _token_logprob_kernel(Z, Temp, Ids, Out, M, LSE, vlim, stride_z, stride_t, BLOCK: tl.constexpr):
+def _token_logprob_kernel(Z, Temp, Ids, Mx, Acc, Out, M, LSE, vlim, groups, stride_z, stride_t,
+                          BLOCK: tl.constexpr, GB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(Temp + row * stride_t)
-    m, lse = _row_max_lse(Z + row * stride_z, vlim, t, BLOCK)
+    m, lse = _row_lse(Mx, Acc, row, groups, BLOCK, GB)
     tok = tl.load(Ids + row)
     if SCALAR_DIV_RN:
         z = tl.div_rn(tl.load(Z + row * stride_z + tok).to(tl.float32), t)
@@ -65,6 +111,22 @@ def _token_logprob_kernel(Z, Temp, Ids, Out, M, LSE, vlim, stride_z, stride_t, B
     tl.store(Out + row, (z - m) - lse)
     tl.store(M + row, m)            # saved for the backward
     tl.store(LSE + row, lse)
+
+
+def _row_passes(z, t, st, vlim, groups=None):
+    """Passes 1-2 for every row: the per-group maxima [rows, groups] and the accumulators
+    [rows, _BLOCK] that _row_lse reduces. groups: a power of two (tests; default lane_groups)."""
+    rows = z.shape[0]
+    groups = groups or lane_groups(rows)
+    lanes = _BLOCK // groups
+    mx = torch.empty((rows, groups), dtype=torch.float32, device=z.device)
+    acc = torch.empty((rows, _BLOCK), dtype=torch.float32, device=z.device)
+    warps = max(2, min(8, lanes // 512))
+    _lane_max_kernel[(rows, groups)](z, t, mx, vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
+                                     num_warps=warps, **EXACT)
+    _lane_sum_kernel[(rows, groups)](z, t, mx, acc, vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
+                                     GB=_GROUPS_MAX, num_warps=warps, **EXACT)
+    return mx, acc, groups
 
 
 @triton.jit
@@ -92,11 +154,16 @@ def _prepare(logits, temperature, vocab_limit):
     return z, t, (0 if t.numel() == 1 else 1), v, vlim
 
 
-def _log_softmax_kernel_call(logits, temperature, vocab_limit):
+def _log_softmax_kernel_call(logits, temperature, vocab_limit, groups=None):
     z, t, st, v, vlim = _prepare(logits, temperature, vocab_limit)
     out = torch.empty(z.shape, dtype=torch.float32, device=z.device)
-    _log_softmax_kernel[(z.shape[0],)](z, t, out, v, vlim, z.stride(0), out.stride(0), st,
-                                       BLOCK=_BLOCK, num_warps=_WARPS, **EXACT)
+    rows = z.shape[0]
+    if rows == 0:
+        return out.view(logits.shape)
+    mx, acc, groups = _row_passes(z, t, st, vlim, groups)
+    parts = min(triton.cdiv(v, _BLOCK), max(1, _PROGRAMS // rows)) if not ASCEND else 1
+    _log_softmax_kernel[(rows, parts)](z, t, mx, acc, out, v, vlim, groups, z.stride(0), out.stride(0), st,
+                                       BLOCK=_BLOCK, GB=_GROUPS_MAX, num_warps=_WARPS, **EXACT)
     return out.view(logits.shape)
 
 
@@ -110,8 +177,10 @@ class _TokenLogprobs(torch.autograd.Function):
         ids = token_ids.reshape(-1).to(device=z.device, dtype=torch.int64).contiguous()
         rows = z.shape[0]
         out, m, lse = (torch.empty(rows, dtype=torch.float32, device=z.device) for _ in range(3))
-        _token_logprob_kernel[(rows,)](z, t, ids, out, m, lse, vlim, z.stride(0), st,
-                                       BLOCK=_BLOCK, num_warps=_WARPS, **EXACT)
+        if rows:
+            mx, acc, groups = _row_passes(z, t, st, vlim)
+            _token_logprob_kernel[(rows,)](z, t, ids, mx, acc, out, m, lse, vlim, groups, z.stride(0), st,
+                                           BLOCK=_BLOCK, GB=_GROUPS_MAX, num_warps=_WARPS, **EXACT)
         ctx.save_for_backward(z, t, ids, m, lse)
         ctx.meta = (st, v, vlim, logits.shape, logits.dtype)
         return out

@@ -105,14 +105,16 @@ class TrueOnPolicyForCausalLM(CausalLM):
 def warm_logits(compute_logits, hidden_states):
     """Run the logits and the contract's log-probs at every batch size up to hidden_states'
     rows, so that Triton compiles each kernel variant they take (tile configs chosen by rows,
-    rows % 16, one row or many temperatures, vocab limits % 16) now: they run outside vLLM's
-    CUDA graphs, and on the H200 their compiles otherwise landed mid-rollout (vLLM's JIT monitor:
-    `_gemm_kernel`, `_log_softmax_kernel`), as the batch shrank through new sizes."""
-    if hidden_states.shape[0] == 0:
+    rows % 16, one row or many temperatures, vocab limits % 16, the log-softmax's lane groups,
+    which change with rows at powers of two) now: they run outside vLLM's CUDA graphs, and on the
+    H200 their compiles otherwise landed mid-rollout (vLLM's JIT monitor: `_gemm_kernel`,
+    `_log_softmax_kernel`), as the batch shrank through new sizes."""
+    n = hidden_states.shape[0]
+    if n == 0:
         return
     with torch.no_grad():
-        for m in range(1, hidden_states.shape[0] + 1):
+        for m in range(1, n + 1):
             logits = compute_logits(hidden_states[:m])
-        for rows in (1, hidden_states.shape[0]):
+        for rows in sorted({n} | {1 << i for i in range(n.bit_length()) if 1 << i <= n}):
             for vocab_limit in (logits.shape[-1], logits.shape[-1] - 1):
                 co.log_softmax(logits[:rows], torch.ones(rows, device=logits.device), vocab_limit)
