@@ -10,8 +10,9 @@ for them), and per-request response lengths with a long tail (log-normal, median
 tokens). Each engine runs in its own process: start-up, a warm-up generate (every request, 32
 tokens: kernel compilation and autotuning happen there), then
 --repeats timed generates of the whole batch (prefix cache reset before each). --rounds runs
-that many fresh processes of each engine, interleaved (stock, plugin, stock, ...): on the H200 one
-engine's batch time moved by up to 1.5x between processes (2026-12-03), so a ratio needs several.
+that many fresh processes of each engine, interleaved ABBA (stock, plugin, plugin, stock, ...):
+on the H200 one engine's batch time moved by up to 1.5x between processes (2026-12-03), so a
+ratio needs several; the GPU's SM clock, power and temperature are sampled during each.
 Reported: output tokens/s and the time to finish the batch (medians over every timed generate of
 all rounds), each round's plugin / stock, and plugin / stock of the medians.
 
@@ -28,6 +29,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -167,6 +169,45 @@ def print_profile(engine, r):
             print(f"  {row['ms']:9.2f} ms {row['calls']:7d}x  {row['op']}")
 
 
+class GpuSampler:
+    """nvidia-smi every 2 s while an engine runs: SM clock, power and temperature (does the GPU
+    throttle under one engine's kernels? on 2026-12-03 one engine's batch time moved by 1.47x
+    between processes). Empty where nvidia-smi is missing."""
+    QUERY = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+             "-lms", "2000"]
+
+    def __enter__(self):
+        self.rows = []
+        try:
+            self.proc = subprocess.Popen(self.QUERY, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return self
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                self.rows.append([float(x) for x in line.split(",")[:3]])
+            except ValueError:
+                pass
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.reader.join(timeout=5)
+
+    def summary(self):
+        if not self.rows:
+            return {}
+        clock, power, temp = zip(*self.rows)
+        return {"sm_mhz_median": statistics.median(clock), "sm_mhz_min": min(clock),
+                "power_w_median": statistics.median(power), "temp_c_max": max(temp), "samples": len(self.rows)}
+
+
 def run_engine(args, engine):
     env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
     env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
@@ -197,24 +238,29 @@ def main(argv=None):
     print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({total} requests), prompts ~"
           f"{args.prompt_len} tokens, responses <= {args.max_response}; engines {args.engines}", flush=True)
     results, rounds = {}, []
+    engines = args.engines.split(",")
     for i in range(1 if args.profile else args.rounds):
         this = {}
-        for engine in args.engines.split(","):
+        for engine in engines if i % 2 == 0 else engines[::-1]:   # ABBA: drift hits both alike
             t = time.time()
-            r = this[engine] = run_engine(args, engine)
-            r["wall_s"] = time.time() - t
+            with GpuSampler() as gpu:
+                r = this[engine] = run_engine(args, engine)
+            r["wall_s"], r["gpu"] = time.time() - t, gpu.summary()
             if args.profile:
                 results[engine] = r
                 print_profile(engine, r)
                 continue
             r["batch_s"] = statistics.median(r["seconds"])
+            g = r["gpu"]
             print(f"[bench_vllm_gpu] round {i + 1}/{args.rounds} {engine}: engine up in {r['engine_start_s']:.1f}s; "
                   f"{r['tokens']} output tokens in {r['batch_s']:.2f}s ({', '.join(f'{s:.2f}' for s in r['seconds'])})"
-                  f": {r['tokens'] / r['batch_s']:.0f} tokens/s", flush=True)
+                  f": {r['tokens'] / r['batch_s']:.0f} tokens/s" + (
+                      f"; GPU SM clock median {g['sm_mhz_median']:.0f} MHz (min {g['sm_mhz_min']:.0f}), power "
+                      f"{g['power_w_median']:.0f} W, up to {g['temp_c_max']:.0f} C" if g else ""), flush=True)
         if not args.profile:
             rounds.append(this)
     if not args.profile:
-        for engine in args.engines.split(","):
+        for engine in engines:
             runs = [r[engine] for r in rounds]
             results[engine] = {"engine": engine, "tokens": runs[0]["tokens"],
                                "seconds": [s for r in runs for s in r["seconds"]],

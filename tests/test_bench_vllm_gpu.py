@@ -13,6 +13,19 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
+def test_gpu_sampler_summarises_clock_power_and_temperature(monkeypatch):
+    monkeypatch.setattr(bench.GpuSampler, "QUERY", [sys.executable, "-c",
+                                                    "print('1980, 650.5, 61'); print('1755, 700.0, 66')"])
+    with bench.GpuSampler() as gpu:
+        gpu.proc.wait()
+    assert gpu.summary() == {"sm_mhz_median": 1867.5, "sm_mhz_min": 1755.0, "power_w_median": 675.25,
+                             "temp_c_max": 66.0, "samples": 2}
+    monkeypatch.setattr(bench.GpuSampler, "QUERY", ["/nonexistent/nvidia-smi"])
+    with bench.GpuSampler() as gpu:
+        pass
+    assert gpu.summary() == {}
+
+
 def test_rounds_interleave_engines_and_pool_every_timed_generate(tmp_path, monkeypatch, capsys):
     (tmp_path / "config.json").write_text("{}")
     times = {"stock": iter([[30.0, 31.0], [34.0, 36.0]]), "plugin": iter([[40.0, 42.0], [32.0, 33.0]])}
@@ -25,7 +38,7 @@ def test_rounds_interleave_engines_and_pool_every_timed_generate(tmp_path, monke
     monkeypatch.setattr(bench, "run_engine", fake_engine)
     out = tmp_path / "b.json"
     bench.main(["--model", str(tmp_path), "--rounds", "2", "--repeats", "2", "--json", str(out)])
-    assert order == ["stock", "plugin", "stock", "plugin"]
+    assert order == ["stock", "plugin", "plugin", "stock"]          # ABBA
     doc = json.loads(out.read_text())
     stock, plugin = doc["results"]["stock"], doc["results"]["plugin"]
     assert stock["seconds"] == [30.0, 31.0, 34.0, 36.0] and stock["batch_s"] == 32.5
