@@ -223,17 +223,18 @@ def _matmul(a, b, rows, kernel):
     return out
 
 
-def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk):
+def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk, token_range=None):
     """The contract's attention in one pass (attend64 / attend32 per _kernel), states restarted every
     `chunk` keys (contract.KV_CHUNK, a multiple of KV_BLOCK) and folded: qh [S, H, R, D] query rows;
     K/V element (s, h, pos, d) at k/v's first element + token[s, pos] + h * head_stride +
     d * dim_stride (a padded layout or a paged cache read in place); qpos [S, R] each row's
-    position; V past seq_lens[s] reads as 0. Returns acc / l, fp32 [S, H, R, D]. No autograd."""
+    position; V past seq_lens[s] reads as 0; token_range: token's (min, max) where the caller has it.
+    Returns acc / l, fp32 [S, H, R, D]. No autograd."""
     S, H, R, D = qh.shape
     qh = _unit_last(qh)
     token, qpos, seq_lens = _longs(token, qpos, seq_lens)
     L = token.shape[1]
-    lo, hi = (int(t) for t in token.aminmax())
+    lo, hi = token_range or (int(t) for t in token.aminmax())
     reach = hi + (H - 1) * head_stride + (D - 1) * dim_stride
     for c in (k, v):
         if lo < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
