@@ -97,6 +97,32 @@ def test_alone_equals_in_mixed_batch(kv_chunk):
         assert torch.equal(co.attention_varlen(q[sl], k[sl], v[sl], cu([n])), batch[sl])
 
 
+def test_a_steps_index_work_follows_its_metadata():
+    """attention_paged does its index work once a step (_PagedLayout.of: every layer passes the same
+    metadata tensors): a call after the metadata changed in place, or with a cache of another layout,
+    equals a call with fresh tensors of the same contents."""
+    g = torch.Generator().manual_seed(5)
+    kc, vc = (torch.randn(12, 16, HKV, D, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(3, HQ, D, generator=g).bfloat16()
+    table, seq_lens, qsl = torch.tensor([[3, 7, 1], [5, 0, 9], [2, 4, 6]]), torch.tensor([40, 17, 33]), cu([1, 1, 1])
+
+    def fresh():
+        return co.attention_paged(q, kc, vc, table.clone(), seq_lens.clone(), qsl.clone())
+
+    def again():      # a call after one with these very tensors (a fresh() call replaces the layout)
+        co.attention_paged(q, kc, vc, table, seq_lens, qsl)
+        return lambda k=kc, v=vc: co.attention_paged(q, k, v, table, seq_lens, qsl)
+
+    assert torch.equal(again()(), fresh())
+    kh, vh = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))   # the same cache, head-major
+    assert torch.equal(again()(kh, vh), fresh())
+    for change in (lambda: seq_lens.sub_(9), lambda: table[:, :2].copy_(table[:, :2].flip(1)),
+                   lambda: qsl.copy_(cu([2, 0, 1]))):   # (last: a request without rows)
+        call = again()
+        change()
+        assert torch.equal(call(), fresh())
+
+
 def sdpa(q, k, v):
     """Stock path: PyTorch SDPA with GQA, causal over the last q rows."""
     qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))

@@ -88,3 +88,29 @@ def test_native_stack_equals_the_torch_path():
         assert torch.equal(o_native, o_torch) and torch.equal(c_native[o_native], c_torch[o_torch])
         one, o_one = co.moe_expert_contributions(x[7:8], ids[7:8], w[7:8], sub, local)
         assert torch.equal(o_one, o_native[7:8]) and torch.equal(one[o_one], c_native[7:8][o_one])
+
+
+def test_experts_and_combine_in_one_call_equal_the_two_ops():
+    """co.moe_experts (the rollout's experts and slot-ordered combine in one native call) gives the
+    bits of moe_combine(moe_expert_contributions) on the torch path, top-2 and top-3, an expert
+    without tokens, a token alone; a rank's share of the experts is not "every expert", and the fp64
+    realisation has no such call: None."""
+    from consistent_ops.reference import native
+    x, gate, experts = setup()
+    stack = co.ExpertStack(torch.stack([torch.cat(experts[e][:2]) for e in range(E)]),
+                           torch.stack([experts[e][2] for e in range(E)]), list(range(E)))
+    for k, dtype in ((2, torch.bfloat16), (3, torch.bfloat16), (3, torch.float32)):   # fp32: the slot order shows
+        if dtype != x.dtype:
+            x, gate, stack = x.to(dtype), gate.to(dtype), co.ExpertStack(stack.gate_up.to(dtype), stack.down.to(dtype),
+                                                                         stack.local)
+            experts = {e: tuple(t.to(dtype) for t in w) for e, w in experts.items()}
+        ids, w = co.moe_route(x, gate, k)
+        ids[:, :] = torch.where(ids == 3, 4, ids)           # expert 3 gets no token
+        with torch.inference_mode():
+            whole, one = co.moe_experts(x, ids, w, stack), co.moe_experts(x[7:8], ids[7:8], w[7:8], stack)
+            ops = co.moe_combine(co.moe_expert_contributions(x, ids, w, experts)[0], x.dtype)
+        if native.accumulation() == "fp64":
+            assert whole is None and one is None
+        else:
+            assert torch.equal(whole, ops) and torch.equal(one, ops[7:8])
+    assert co.moe_experts(x, ids, w, co.ExpertStack(stack.gate_up[4:], stack.down[4:], [4, 5, 6, 7])) is None

@@ -116,6 +116,14 @@ def moe_combine(contrib, out_dtype):
     return get_backend().moe_combine(contrib, out_dtype)
 
 
+def moe_experts(x, ids, weights, experts):
+    """moe_combine(moe_expert_contributions(x, ids, weights, experts)[0], x.dtype) for an ExpertStack
+    holding every expert (no TP exchange in between), in one call where the backend has one for these
+    tensors (the same bits as those ops); None otherwise (run the two)."""
+    fused = getattr(get_backend(), "moe_experts", None)
+    return fused(x, ids, weights, experts) if fused else None
+
+
 def log_softmax(logits, temperature=1.0, vocab_limit=None, truncation=None):
     """fp32 log-probs [rows, V]; ``truncation`` = (top_k, top_p, min_p) scalars or per-row
     tensors: the truncated distribution's log-probs (truncate_logprobs), None: untruncated."""

@@ -5,7 +5,7 @@ from .linear import (attention_prologue, finish_row_parallel, linear, linear_add
                      row_parallel_partial)
 from .logprobs import log_softmax, token_logprobs
 from .native import accumulation
-from .moe import moe_combine, moe_expert_contributions, moe_route
+from .moe import moe_combine, moe_expert_contributions, moe_experts, moe_route
 from .norm import add_rms_norm, rms_norm
 from .pointwise import apply_rope, embedding, rope_cos_sin, silu_mul
 from .truncation import truncate_logprobs

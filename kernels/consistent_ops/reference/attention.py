@@ -43,18 +43,16 @@ class _DenseKV:
 
 
 class _PagedKV:
-    """K/V read in place from a paged CPU cache [pages, page_size, Hkv, D] through the
-    block table (nothing gathered). Positions past a sequence's end read as zero V."""
+    """K/V read in place from a paged CPU cache [pages, page_size, Hkv, D] through a step's
+    _PagedLayout (nothing gathered). Positions past a sequence's end read as zero V."""
 
-    def __init__(self, key_cache, value_cache, table, seq_lens, walked):
+    def __init__(self, key_cache, value_cache, layout):
         if key_cache.stride() != value_cache.stride():
             raise ValueError("attention_paged: key and value caches must share one layout")
-        self.k, self.v, self.seq_lens, self.hkv = key_cache, value_cache, seq_lens, key_cache.shape[2]
-        # [S, L]; columns past a sequence's last page repeat it (masked keys; V reads as zero there).
-        self.token = native.paged_tokens(table, seq_lens, walked, key_cache.shape[1], *key_cache.stride()[:2])
+        self.k, self.v, self.hkv, self.layout = key_cache, value_cache, key_cache.shape[2], layout
 
     def addresses(self):
-        return self.k, self.v, self.token, self.k.stride(2), self.k.stride(3), self.seq_lens
+        return self.k, self.v, self.layout.token, self.k.stride(2), self.k.stride(3), self.layout.seq_lens
 
 
 class _NativeAttention(torch.autograd.Function):
@@ -104,9 +102,10 @@ def _attend(q, qpos, kv, scale):
 
 def _attend_native(q, qpos, kv, scale):
     k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
-    g = q.shape[2] // kv.hkv
-    out = native.attend(_rows(q, kv.hkv), k, v, token, head_stride, dim_stride, qpos.repeat(1, g), seq_lens, scale,
-                        KV_CHUNK)
+    layout = getattr(kv, "layout", None)        # a paged step's: its rows' positions and offset range, made once
+    rows_qpos = layout.rows_qpos if layout is not None else qpos.repeat(1, q.shape[2] // kv.hkv)
+    out = native.attend(_rows(q, kv.hkv), k, v, token, head_stride, dim_stride, rows_qpos, seq_lens, scale,
+                        KV_CHUNK, None if layout is None else layout.token_range)
     return _unrows(out, q)
 
 
@@ -232,26 +231,62 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     bound for backends that size grids by it) is not needed here: the lengths are read."""
     _check_heads(q.shape[1], key_cache.shape[2])
     scale = attention_scale(q.shape[-1]) if scale is None else scale
-    bounds = query_start_loc.tolist()
-    starts, lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    if 0 in lens or bounds[-1] < q.shape[0]:    # padding (a padded capture size): rows of no request are 0
-        return _padded_batch(q, key_cache, value_cache, block_table, seq_lens, starts, lens, scale)
-    width = max(lens)
-    seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
-    qp = _pad_rows(q, starts, lens, width)
-    if min(lens) == width:      # e.g. decode: positions seq_len - width .. seq_len - 1, none past the end
-        qpos = (seq_lens - width)[:, None] + torch.arange(width, device=q.device)[None, :]
+    layout = _PagedLayout.of(q, key_cache, block_table, seq_lens, query_start_loc)
+    if layout.padded:    # padding (a padded capture size): rows of no request are 0
+        return _padded_batch(q, key_cache, value_cache, block_table, seq_lens, layout.starts, layout.lens, scale)
+    qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
+    if layout.token is not None:
+        kv = _PagedKV(key_cache, value_cache, layout)
     else:
-        n_new = torch.tensor(lens, device=q.device)
-        qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
-        qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
-    table = block_table.to(device=q.device, dtype=torch.long)
-    walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
-    if q.device.type == "cpu" and key_cache.dtype in native.DTYPES:
-        kv = _PagedKV(key_cache, value_cache, table, seq_lens, walked)
-    else:
-        kv = _gathered_kv(key_cache, value_cache, table, seq_lens, walked)
-    return _unpad_rows(_attend(qp, qpos, kv, scale), lens)
+        kv = _gathered_kv(key_cache, value_cache, layout.table, layout.seq_lens, layout.walked)
+    return _unpad_rows(_attend(qp, layout.qpos, kv, scale), layout.lens)
+
+
+class _PagedLayout:
+    """A step's index work for attention_paged, the same for every layer: each request's rows and
+    positions, and on CPU the K/V offsets into caches of one geometry (native.paged_tokens) and their
+    range. ``of`` makes it once per step: a layer called with the same metadata tensors, unchanged
+    (compared with a copy), and a cache of the same geometry reuses the last one. It is a function
+    of those contents alone, so reusing it changes no bit."""
+
+    _last = None
+
+    def __init__(self, q, key_cache, block_table, seq_lens, query_start_loc):
+        bounds = query_start_loc.tolist()
+        self.starts, self.lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+        self.padded = 0 in self.lens or bounds[-1] < q.shape[0]
+        self.token = None
+        if self.padded:
+            return
+        self.width = width = max(self.lens)
+        self.seq_lens = seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
+        if min(self.lens) == width:      # e.g. decode: positions seq_len - width .. seq_len - 1, none past the end
+            qpos = (seq_lens - width)[:, None] + torch.arange(width, device=q.device)[None, :]
+        else:
+            n_new = torch.tensor(self.lens, device=q.device)
+            qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
+            qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
+        self.qpos, self.rows_qpos = qpos, qpos.repeat(1, q.shape[1] // key_cache.shape[2])
+        self.table = block_table.to(device=q.device, dtype=torch.long)
+        self.walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
+        if q.device.type == "cpu" and key_cache.dtype in native.DTYPES:
+            # [S, L]; columns past a sequence's last page repeat it (masked keys; V reads as zero there).
+            self.token = native.paged_tokens(self.table, seq_lens, self.walked, key_cache.shape[1],
+                                             *key_cache.stride()[:2])
+            self.token_range = tuple(int(t) for t in self.token.aminmax())
+
+    @classmethod
+    def of(cls, q, key_cache, block_table, seq_lens, query_start_loc):
+        key = (q.shape, q.device, key_cache.shape, key_cache.stride(), key_cache.dtype)
+        last = cls._last
+        if (last is not None and last[0][0] is block_table and last[0][1] is seq_lens
+                and last[0][2] is query_start_loc and last[1] == key
+                and all(torch.equal(a, b) for a, b in zip(last[2], (block_table, seq_lens, query_start_loc)))):
+            return last[3]
+        layout = cls(q, key_cache, block_table, seq_lens, query_start_loc)
+        metadata = (block_table, seq_lens, query_start_loc)
+        cls._last = (metadata, key, [t.clone() for t in metadata], layout)
+        return layout
 
 
 def _gathered_kv(key_cache, value_cache, table, seq_lens, walked):

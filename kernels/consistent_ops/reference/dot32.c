@@ -695,17 +695,35 @@ static int linear_rows(int pairs, int64_t tr, int64_t n, int64_t K, int dt, cons
  * computed alone, so chunks change no bit. */
 enum { FUSED_ROWS = 128 };
 
+/* out[t] = dt(contrib[t, 0] + contrib[t, 1] + ... + contrib[t, k-1]), fp32 adds left to right (moe_combine),
+ * inlined per dtype so that the loops vectorise. Returns 0, or -1 when out of memory. */
+static inline __attribute__((always_inline)) int combine_slots_dt(int64_t T, int64_t k, int64_t H, const float *contrib,
+                                                                  const int dt, char *out) {
+    float *total = scratch_bytes((size_t)H * sizeof(float));
+    if (!total) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = contrib + t * k * H;
+        for (int64_t i = 0; i < H; i++) total[i] = c[i];
+        for (int64_t j = 1; j < k; j++)
+            for (int64_t i = 0; i < H; i++) total[i] = total[i] + c[j * H + i];
+        round_rows_dt(total, dt, H, out + t * H * ELEM[dt]);
+    }
+    return 0;
+}
+
 /* The MoE experts of reference/moe.py moe_expert_contributions without autograd, in one call:
  * for each local expert le (global id e0 + le) its (token, slot) pairs p (p = token * k + slot,
  * ascending), x rows gathered; gu = dt(contract_dot(x row, gate_up rows)) [2I]; h = silu_mul32(gu[:I],
  * gu[I:]); contrib[p] = contract_dot(h, down rows) [H] * wts[p] (fp32), owned[p] = 1; pairs routed
  * to no local expert: contrib 0, owned 0. Every dot is dot32p's (pairs) or dot32's, so each value
  * has the bits of the batched torch path, which computes the same dots of the same rows (here in
- * chunks of FUSED_ROWS pairs). Stack strides {expert, n, k} in elements. Returns 0, or -1 when out
- * of memory. */
+ * chunks of FUSED_ROWS pairs). Stack strides {expert, n, k} in elements. combined (or NULL): also
+ * reference/moe.py moe_combine of contrib, [T, H] in dt: total = contrib[t, 0], then total + contrib[t, j]
+ * for j = 1 .. k-1 in order (fp32 IEEE adds), rounded once to dt: the same operations. Returns 0, or -1
+ * when out of memory. */
 int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char *x, int64_t sx,
                   const int64_t *ids, const float *wts, int64_t e0, int64_t ne, const char *gu, const int64_t *sgu,
-                  const char *dn, const int64_t *sdn, int pairs, float *contrib, uint8_t *owned) {
+                  const char *dn, const int64_t *sdn, int pairs, float *contrib, uint8_t *owned, char *combined) {
     int (*dot)(const int64_t *, const char *, int, const int64_t *, const char *, int, const int64_t *,
                const int64_t *, float *) = pairs ? dot32p : dot32;
     const int64_t e = ELEM[dt], TK = T * k;
@@ -757,6 +775,8 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
     free(xa); free(gd); free(h); free(g);
     }
     free(start); free(list); free(fill);
+    if (!rc && combined)
+        rc = dt == BF16 ? combine_slots_dt(T, k, H, contrib, BF16, combined) : combine_slots_dt(T, k, H, contrib, F32, combined);
     return rc;
 }
 

@@ -51,7 +51,7 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     t, k = ids.shape
     local = sorted(range(len(experts)) if local_experts is None else local_experts)
     if _native(x, experts, local, weights):
-        contrib, owned = native.moe_experts(x, ids, weights, experts.gate_up, experts.down, local[0])
+        contrib, owned, _ = native.moe_experts(x, ids, weights, experts.gate_up, experts.down, local[0])
         return contrib.view(t, k, -1), owned.view(t, k)
     every = len(local) == len(experts)        # then each (token, slot) gets a contribution
     contrib = (torch.empty if every else torch.zeros)(t * k, x.shape[-1], dtype=torch.float32, device=x.device)
@@ -66,6 +66,15 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
         contrib = contrib.index_put((sel,), out[valid])
         owned[sel] = True
     return contrib.view(t, k, -1), owned.view(t, k)
+
+
+def moe_experts(x, ids, weights, experts):
+    """consistent_ops.moe_experts: moe_combine(moe_expert_contributions(x, ids, weights, experts)[0], x's
+    dtype) in one native call where the experts run as one (_native: here an ExpertStack of experts
+    0 .. E-1): the same dots and the same adds (the same bits); None elsewhere (the caller runs the two)."""
+    if not _native(x, experts, list(range(len(experts))), weights):
+        return None
+    return native.moe_experts(x, ids, weights, experts.gate_up, experts.down, 0, combine=True)[2]
 
 
 def _native(x, experts, local, weights):

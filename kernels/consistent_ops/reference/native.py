@@ -94,7 +94,7 @@ def library():
             lib.silu_mul32.argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p]
             lib.silu_mul32.restype = ctypes.c_int
             lib.moe_experts32.argtypes = [i64, i64, i64, i64, ctypes.c_int, p, i64, p, p, i64, i64, p, p, p, p,
-                                          ctypes.c_int, p, p]
+                                          ctypes.c_int, p, p, p]
             lib.moe_experts32.restype = ctypes.c_int
             lib.rope_rows.argtypes = [i64, i64, i64, ctypes.c_int, p, p, p, p]
             lib.rope_rows.restype = None
@@ -223,17 +223,18 @@ def _matmul(a, b, rows, kernel):
     return out
 
 
-def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk):
+def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk, token_range=None):
     """The contract's attention in one pass (attend64 / attend32 per _kernel), states restarted every
     `chunk` keys (contract.KV_CHUNK, a multiple of KV_BLOCK) and folded: qh [S, H, R, D] query rows;
     K/V element (s, h, pos, d) at k/v's first element + token[s, pos] + h * head_stride +
     d * dim_stride (a padded layout or a paged cache read in place); qpos [S, R] each row's
-    position; V past seq_lens[s] reads as 0. Returns acc / l, fp32 [S, H, R, D]. No autograd."""
+    position; V past seq_lens[s] reads as 0; token_range: token's (min, max) where the caller has it.
+    Returns acc / l, fp32 [S, H, R, D]. No autograd."""
     S, H, R, D = qh.shape
     qh = _unit_last(qh)
     token, qpos, seq_lens = _longs(token, qpos, seq_lens)
     L = token.shape[1]
-    lo, hi = (int(t) for t in token.aminmax())
+    lo, hi = token_range or (int(t) for t in token.aminmax())
     reach = hi + (H - 1) * head_stride + (D - 1) * dim_stride
     for c in (k, v):
         if lo < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
@@ -297,11 +298,12 @@ def silu_mul(gate, up):
     return out
 
 
-def moe_experts(x, ids, weights, gate_up, down, first):
+def moe_experts(x, ids, weights, gate_up, down, first, combine=False):
     """reference/moe.py's expert contributions in one call (dot32.c moe_experts32) for the local
     experts first .. first + len(gate_up) - 1, stacked as gate_up [L, 2I, H] and down [L, H, I]
-    (x's dtype, an ACTIVATIONS dtype): contrib [T*k, H] fp32 (0 where no local expert) and owned
-    [T*k] bool, the bits of the batched torch path (the same dots of the same rows). The fp32 /
+    (x's dtype, an ACTIVATIONS dtype): contrib [T*k, H] fp32 (0 where no local expert), owned
+    [T*k] bool and, with combine, moe_combine(contrib) [T, H] in x's dtype (else None): the bits of
+    the batched torch path and moe_combine (the same dots of the same rows, the same adds). The fp32 /
     bf16 realisations only (fp64 operands take dot64.c). No autograd."""
     t, k = ids.shape
     h, inter = x.shape[-1], down.shape[-1]
@@ -309,12 +311,14 @@ def moe_experts(x, ids, weights, gate_up, down, first):
     ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
     contrib = torch.empty(t * k, h, dtype=torch.float32)
     owned = torch.empty(t * k, dtype=torch.bool)
+    combined = torch.empty(t, h, dtype=x.dtype) if combine else None
     if library().moe_experts32(t, k, h, inter, DTYPES[x.dtype], x.data_ptr(), x.stride(0), ids.data_ptr(),
                                weights.data_ptr(), first, gate_up.shape[0], gate_up.data_ptr(),
                                _int64s(gate_up.stride()), down.data_ptr(), _int64s(down.stride()),
-                               int(_kernel(x, gate_up) == "32p"), contrib.data_ptr(), owned.data_ptr()):
+                               int(_kernel(x, gate_up) == "32p"), contrib.data_ptr(), owned.data_ptr(),
+                               None if combined is None else combined.data_ptr()):
         raise MemoryError("consistent_ops moe_experts: out of memory for its buffers")
-    return contrib, owned
+    return contrib, owned, combined
 
 
 def apply_rope(x, cos, sin):

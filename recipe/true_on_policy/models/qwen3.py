@@ -80,7 +80,7 @@ def fuse(model):
     project q, k and v in one GEMM (the rollout: vllm/model.py; never the trainer's modules, whose
     parameters FSDP and the optimizer own)."""
     for module in model.modules():
-        if isinstance(module, (Attention, MLP)):
+        if isinstance(module, (Attention, MLP, SparseMoeBlock)):
             module.fused = True
         if isinstance(module, Attention) and module.q_proj.bias is None:
             module.qkv_weight = _stack_rows(module.q_proj, module.k_proj, module.v_proj)
@@ -147,9 +147,20 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(len(self.local), 2 * inter, hidden, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(len(self.local), hidden, inter, dtype=dtype))
         self._parts = set()     # (expert, part) loaded one by one (load_expert)
+        self._stack = None      # (storage state, ExpertStack): stack's last
 
     def stack(self, dtype):
-        return co.ExpertStack(self.gate_up_proj.to(dtype), self.down_proj.to(dtype), self.local)
+        """The stacks as a co.ExpertStack in dtype. Outside autograd, in the stacks' own dtype (views, so
+        in-place loads land in them), the last one is kept while it views the same storage (a decode step
+        builds one per layer)."""
+        gu, dn = self.gate_up_proj, self.down_proj
+        if torch.is_grad_enabled() or gu.dtype != dtype or dn.dtype != dtype:
+            return co.ExpertStack(gu.to(dtype), dn.to(dtype), self.local)
+        state = (torch.is_inference_mode_enabled(), gu.data_ptr(), dn.data_ptr(), gu.shape, dn.shape, gu.stride(),
+                 dn.stride())
+        if self._stack is None or self._stack[0] != state:
+            self._stack = (state, co.ExpertStack(gu, dn, self.local))
+        return self._stack[1]
 
     def weight_loader(self, param, full):
         """A stacked tensor of ALL experts [E, ...] (the trainer's state_dict): this rank's rows."""
@@ -176,12 +187,15 @@ class Experts(nn.Module):
         return [f"{prefix}.{e}.{p}_proj.weight" for e in self.local for p in self._PARTS[stack]]
 
 
-def moe_mix(x, router_weight, top_k, norm_topk_prob, contributions):
+def moe_mix(x, router_weight, top_k, norm_topk_prob, contributions, whole=None):
     """The MoE block's math around its experts, for every host's block (this file's, the
     Megatron spec's): contract routing of x [T, H], the per-(token, slot) contributions
-    ``contributions(ids, w)`` [T, k, H] (fp32, wherever the experts live), slot-ordered combine."""
+    ``contributions(ids, w)`` [T, k, H] (fp32, wherever the experts live), slot-ordered combine.
+    ``whole``: an ExpertStack of every expert, here (the rollout without TP): contributions and
+    combine in one call where the backend has one (co.moe_experts, the same bits)."""
     ids, w = co.moe_route(x, router_weight.to(x.dtype), top_k, norm_topk_prob)
-    return co.moe_combine(contributions(ids, w), x.dtype)
+    out = None if whole is None else co.moe_experts(x, ids, w, whole)
+    return out if out is not None else co.moe_combine(contributions(ids, w), x.dtype)
 
 
 class SparseMoeBlock(nn.Module):
@@ -197,10 +211,12 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, dtype=cfg.dtype)
         self.experts = Experts(local, cfg.hidden_size, cfg.moe_intermediate_size, cfg.dtype)
         self.top_k, self.norm_topk_prob, self.tp = cfg.top_k, cfg.norm_topk_prob, tp
+        self.fused = False      # as Attention.fused
 
     def forward(self, x):
+        whole = self.experts.stack(x.dtype) if self.fused and not self.tp.sharded else None
         return moe_mix(x, self.gate.weight, self.top_k, self.norm_topk_prob,
-                       lambda ids, w: self._contributions(x, ids, w))
+                       lambda ids, w: self._contributions(x, ids, w), whole)
 
     def _contributions(self, x, ids, w):
         # local None: every expert is here (the backward then needs no host sync)
