@@ -34,9 +34,10 @@ def test_every_ascend_kernel_compiles_with_triton_ascend():
     for kernel in ("_gemm_kernel", "_rms_norm_kernel", "_lane_max_kernel", "_lane_sum_kernel",
                    "_log_softmax_kernel", "_token_logprob_kernel",
                    "_token_logprob_bwd_kernel", "_softmax_kernel", "_route_kernel", "_plan_kernel",
-                   "_gate_up_kernel", "_down_kernel", "_attn_fwd_kernel", "_fold_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel",
+                   "_gate_up_kernel", "_down_kernel", "_attn_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel",
                    "_rms_norm_bwd_kernel"):
         assert f"ok   {kernel}" in res.stdout, kernel
+    assert re.search(r"^ok   _attn_fwd_kernel\{.*'SPLIT': True\}", res.stdout, re.M)   # its arrival atomics too
 
 
 def test_cuda_constructs_fail_the_check():

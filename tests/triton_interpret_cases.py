@@ -27,7 +27,7 @@ import consistent_ops as co  # noqa: E402
 from interpreter_bf16 import fix_interpreter_bf16  # noqa: E402
 import consistent_ops.reference as R  # noqa: E402
 import consistent_ops.triton as T  # noqa: E402
-from consistent_ops.triton.attention import _ds_before  # noqa: E402
+from consistent_ops.triton.attention import _chunk_ptrs, _ds_before, _fold  # noqa: E402
 
 
 fix_interpreter_bf16()
@@ -58,8 +58,8 @@ def qkv():
 @pytest.fixture(params=[(512, False), (64, False), (64, True)], ids=["chunk512", "chunk64", "chunk64-split"])
 def kv_chunks(request, monkeypatch):
     """The contract's KV chunk, and chunks of one KV block each (these short sequences cross
-    several), folded in each tile's program or (split) by one program per chunk and the fold
-    kernel: the same bits on every path."""
+    several), folded in each tile's program or (split) by one program per chunk, the last of a
+    tile's to finish folding: the same bits on every path."""
     from consistent_ops.triton import attention as ta
     chunk, split = request.param
     monkeypatch.setattr(ta, "KV_CHUNK", chunk)
@@ -182,7 +182,72 @@ def test_dummy_metadata_reads_inside_the_table_and_cache(kv_chunks):
     one = T.attention_paged(q[:4], k, v, real, torch.tensor([40]), torch.tensor([0, 4]))
     table = torch.cat([real, torch.tensor([[-1, 10**6, 3, 3, 3]], dtype=torch.int32)])
     both = T.attention_paged(q, k, v, table, torch.tensor([40, 300]), torch.tensor([0, 4, 24]))
-    assert torch.equal(both[:4], one) and torch.isfinite(both[4:].float()).all()
+    assert torch.equal(both[:4], one) and torch.isfinite(both[4:].float()).all() and _counters_idle()
+
+
+def _counters_idle():
+    """The split launch's arrival counters are all back at 0 (each tile's last program resets its
+    own): a tile that counted more or fewer programs than its chunks would leave one behind."""
+    from consistent_ops.triton import attention as ta
+    return all(not b.any() for bufs in ta._COUNTERS.values() for b in bufs)
+
+
+def _decode_tail(dtype):
+    """_forward's arguments for a batch of tiles of one KV chunk of 64 keys and of several in a
+    grid of 4 chunks (the table's capacity, 256 keys): a decode at 200 keys (4 chunks), one at
+    30 (1), a 20-token prefill chunk ending at 130 (3; its rows at 110-127 see 2), and a padding
+    request. fp32 q/k/v give an fp32 output: the fold's bits unrounded."""
+    page = 16
+    k, v = (rand(48, page, HKV, D, seed=s).to(dtype) for s in (21, 22))
+    i32 = dict(dtype=torch.int32)
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    table = torch.cat([perm.view(3, 16), torch.zeros(1, 16, **i32)])
+    return (rand(22, HQ, D, seed=23).to(dtype), k, v, torch.tensor([0, 1, 2, 22, 22], **i32),
+            torch.tensor([200, 30, 130, 0], **i32), table, D ** -0.5, True)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
+def test_split_launch_equals_unsplit_launch_after_launch(dtype, monkeypatch):
+    """The decode tail's split launch (a program per (tile, KV chunk), the tile's last program to
+    finish folding the chunk states) == one program walking every chunk, bit for bit, on a batch
+    mixing tiles of one chunk and of several; and again on the next launch (the counters were
+    reset), twice more in a row."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "KV_CHUNK", 64)
+    args = _decode_tail(dtype)
+    want = ta._forward(*args, split=False)
+    assert torch.isfinite(want.float()).all()
+    for _ in range(3):
+        assert torch.equal(ta._forward(*args, split=True), want) and _counters_idle()
+    assert ta._COUNTERS[want.device]                 # it did split
+
+
+@triton.jit
+def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr):
+    """_fold_states with the chunks in reverse order (the mutation the companion below runs)."""
+    pa, pm, pl = _chunk_ptrs(WAcc, WML, n - 1, qrow, head, T, HQ, chunks, D)
+    acc = tl.load(pa, mask=valid[:, None], other=0.0)
+    m = tl.load(pm, mask=valid, other=0.0)
+    l = tl.load(pl, mask=valid, other=1.0)
+    for i in range(1, n):
+        pa, pm, pl = _chunk_ptrs(WAcc, WML, n - 1 - i, qrow, head, T, HQ, chunks, D)
+        acc, m, l = _fold(acc, m, l, tl.load(pa, mask=valid[:, None], other=0.0),
+                          tl.load(pm, mask=valid, other=float("-inf")), tl.load(pl, mask=valid, other=0.0))
+    return acc, m, l
+
+
+def test_split_fold_order_reaches_the_bits(monkeypatch):
+    """Companion: the split launch folding its chunk states in reverse order gives other bits on
+    every row that sees 3 or 4 chunks (the equality above would catch a wrong order); rows of 1
+    or 2 chunks keep theirs (one fold of two states is commutative)."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "KV_CHUNK", 64)
+    args = _decode_tail(torch.float32)
+    want = ta._forward(*args, split=False)
+    monkeypatch.setattr(ta, "_fold_states", _fold_reversed)
+    got = ta._forward(*args, split=True)
+    differ = [r for r in range(len(got)) if not torch.equal(got[r], want[r])]
+    assert differ == [0, 20, 21] and _counters_idle()      # the decode at 200 keys, prefill rows at 128, 129
 
 
 def test_attention_backward_over_query_chunks(qkv, monkeypatch):

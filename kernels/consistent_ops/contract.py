@@ -184,7 +184,7 @@ ACCUMULATION = {
             "attention: softmax base 2, p rounded to the value dtype for contract_dot(p, v), acc*a fed as "
             "the MMA accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every "
             "path; a tile's KV chunks folded in its program, or (small paged batches) one program per "
-            "chunk writing fp32 states that one fold kernel folds in chunk order"),
+            "chunk writing fp32 states that the tile's last program to finish folds in chunk order"),
         "reductions": (
             "fp32, whole rows per program (RMSNorm packs rows of H < 2048 to 2048 elements a program), each row "
             "reduced along its own axis, tree shape a function of the row length only (RMSNorm, router "

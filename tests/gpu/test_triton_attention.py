@@ -97,7 +97,7 @@ def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
 @pytest.mark.parametrize("split", [True, False])
 def test_decode_equals_train(qkv, train, split, monkeypatch):
     """Pure decode batches (64-row tiles) for the last 8 tokens of every sequence, with one
-    program per KV chunk and the fold kernel (what so small a batch gets) and without."""
+    program per KV chunk, the last of a tile's folding (what so small a batch gets), and without."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "_split_programs", lambda device: (1 << 30) if split else 0)
     steps = [[(s, 0, n - 8) for s, n in enumerate(LENS) if n > 8]]
@@ -105,6 +105,51 @@ def test_decode_equals_train(qkv, train, split, monkeypatch):
     got = run_schedule(qkv, steps, 16)
     decoded = [r for s, n in enumerate(LENS) if n > 8 for r in _rows(s, n - 8, n)]
     assert_rows_equal({r: got[r] for r in decoded}, train)
+
+
+def _counters_idle():
+    from consistent_ops.triton import attention as ta
+    torch.cuda.synchronize()
+    return all(not b.any() for bufs in ta._COUNTERS.values() for b in bufs)
+
+
+def test_split_decode_graph_replays_equal_unsplit(monkeypatch):
+    """The decode tail's split launch, where the last program of a tile to store its chunk state
+    folds them all (an arrival counter; no fold launch), captured in a CUDA graph of 8 launches in
+    a row and replayed 100 times: every output of every replay == the unsplit launch bit for bit,
+    so no fold read a state before it was visible (a race would flip bits in some replay) and the
+    counters reset between launches (they end at 0). Tiles of 1, 2, 16 and 33 KV chunks."""
+    from consistent_ops.triton import attention as ta
+    from consistent_ops.contract import attention_scale
+    monkeypatch.setattr(ta, "_split_programs", lambda device: 1 << 30)   # split (so small a batch does)
+    lens, page = [16384 + 37, 1000, 5, 8000], 16
+    n_pages = [-(-n // page) for n in lens]
+    k, v = rand(sum(n_pages) + 8, page, HKV, D, seed=11), rand(sum(n_pages) + 8, page, HKV, D, seed=12)
+    perm = torch.randperm(k.shape[0], generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    table = torch.zeros(len(lens), max(n_pages), dtype=torch.int32)
+    for i, (n, lo) in enumerate(zip(n_pages, [0, *torch.tensor(n_pages).cumsum(0).tolist()])):
+        table[i, :n] = perm[lo:lo + n]
+    table, q = table.to(DEV), rand(len(lens), HQ, D, seed=13)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
+    want = ta._forward(q, k, v, qsl, seq_lens, table, attention_scale(D), True, split=False)
+
+    def launches():
+        return [co.attention_paged(q, k, v, table, seq_lens, qsl) for _ in range(8)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                   # eager warm-up: allocates the counters (never in capture)
+        assert all(torch.equal(o, want) for o in launches())
+    torch.cuda.current_stream().wait_stream(side)
+    assert ta._COUNTERS[q.device] and _counters_idle()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = launches()
+    for replay in range(100):
+        graph.replay()
+        assert all(torch.equal(o, want) for o in outs), f"replay {replay}"
+    assert _counters_idle()
 
 
 @pytest.mark.parametrize("width", [3, 40])
@@ -123,8 +168,7 @@ def test_dummy_metadata_reads_inside_the_table_and_cache(width):
     table = torch.cat([real, torch.tensor([[-1, 10**6, 3] + [3] * (width - 3)], dtype=torch.int32, device=DEV)])
     both = co.attention_paged(q, k, v, table, torch.tensor([40, 1664], dtype=torch.int32, device=DEV),
                               torch.tensor([0, 4, 104], dtype=torch.int32, device=DEV))
-    torch.cuda.synchronize()
-    assert torch.equal(both[:4], one) and torch.isfinite(both[4:]).all()
+    assert torch.equal(both[:4], one) and torch.isfinite(both[4:]).all() and _counters_idle()
 
 
 def test_stock_sdpa_prefill_and_decode_differ():

@@ -158,8 +158,8 @@ def _battery(ops, model):
             qsl = torch.tensor([0, new[0], new[0] + new[1]], dtype=torch.int32)
             ops.attention_paged(torch.randn(sum(new), heads, d, **bf), cache_k, cache_v, table,
                                 torch.tensor([300, 400], dtype=torch.int32), qsl)
-        # the decode tail's launch (CUDA picks it for small batches): a program per KV chunk, then
-        # the fold kernel; compiled here so the one source stays portable
+        # the decode tail's launch (CUDA picks it for small batches): a program per KV chunk, the
+        # last to finish folding (arrival counters: atomics); compiled here so the one source stays portable
         triton_attention._forward(torch.randn(2, heads, d, **bf), cache_k, cache_v,
                                   torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([900, 1000], dtype=torch.int32),
                                   torch.arange(16, dtype=torch.int32).view(2, 8) % 8, d ** -0.5, True, split=True)

@@ -14,8 +14,10 @@ and the keys only:
   a tile that walks further for its later rows leaves earlier rows' bits unchanged.
 Keys come in KV chunks (contract.KV_CHUNK): the state restarts at each chunk and a tile folds
 its chunks' states in order (_fold). Small paged batches (the decode tail) run one program per
-(tile, chunk) instead, each writing its chunk's fp32 state, and one fold kernel folds them in
-the same order with the same instructions: the same bits, many more programs at long context.
+(tile, chunk) instead, each writing its chunk's fp32 state; the last of a tile's programs to
+finish (an arrival counter per (tile, KV head), _last_to_arrive) folds them in the same order
+with the same instructions (_fold_states), in the same launch: the same bits, many more
+programs at long context, no second launch.
 The softmax runs in base 2 (contract.ACCUMULATION["triton"]). Grids are sized by shapes
 alone: the tiles of every sequence are numbered one after another (_flat_tile), so a mixed
 prefill/decode batch is one launch of about T / tile + S programs and captures in a CUDA
@@ -28,6 +30,7 @@ over them by the program that owns the query tile, key blocks in ascending order
 buffer is bounded: query tiles run in windows whose dS fits _DS_BYTES (_ds_windows).
 """
 import functools
+import logging
 
 import torch
 import triton
@@ -36,6 +39,8 @@ import triton.language as tl
 from ..contract import KV_BLOCK, KV_CHUNK, TRITON_TILES, attention_scale
 from . import gemm
 from .common import EXACT
+
+log = logging.getLogger("consistent_ops")
 
 # Forward tile (rows, warps), ONE for every path. On the H200 it was also the fastest for
 # chunked prefill (2k chunk at 8k: 64/4 0.83 ms vs 128/8 0.93 ms) and decode (3.1 vs 1.5 TB/s);
@@ -82,6 +87,10 @@ _LOG2E = 1.4426950408889634
 # 16k (144) 61 vs 44 %, B=64 x 8k (288) 63 vs 79 %, B=128 x 4k (576) 79 % unsplit: split below 2
 # programs an SM (264).
 _SPLIT_WAVES, _SPLIT_BYTES = 2, 256 << 20
+# The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
+# use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head) pairs of any
+# launch the threshold splits (fewer than 2 an SM: 264 on the H200).
+_COUNTERS, _COUNTER_SLOTS = {}, 1 << 14
 
 
 @triton.jit
@@ -257,7 +266,7 @@ def _tile_setup(seq, tile, QStart, SeqLen, G: tl.constexpr, TPT: tl.constexpr, R
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, QStart, SeqLen, Table, S, T,
+def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S, T,
                      stride_qt, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
                      stride_ot, stride_oh, stride_tab, tab_cols, pages, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
@@ -288,11 +297,18 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, QStart, SeqLen, Table, S, T,
         acc, m, l = _attend_chunk(c, q, qpos, seq, seq_len, q0.to(tl.int64), (first_pos + 1) // KV, last_pos // KV + 1,
                                   Kh, Vh, stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D,
                                   ROWS, D, KV, CHUNK, PAGE, PAGED, TMA)
-        # a tile of several chunks: its state for _fold_kernel; of one: its output, here
+        # a tile of several chunks: its state, folded by the tile's last program; of one: its output
         several = (qpos * 0 + last_pos) >= CHUNK       # per row (a scalar mask is not one on every backend)
-        _chunk_store(WAcc, WML, c, qrow, head, valid & several, acc, m, l, T, G * tl.num_programs(1),
-                     tl.num_programs(2), D)
+        hq = G * tl.num_programs(1)
+        _chunk_store(WAcc, WML, c, qrow, head, valid & several, acc, m, l, T, hq, tl.num_programs(2), D)
         store = valid & ~several
+        if last_pos >= CHUNK:
+            # the tile's chunk programs: none past the table's capacity (only vLLM's dummy runs have
+            # sequences longer than a table row; their outputs are never read)
+            n = tl.minimum(last_pos // CHUNK + 1, tl.num_programs(2))
+            if _last_to_arrive(Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), n):
+                acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D)
+                store = valid
     else:
         acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
                                  stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS,
@@ -322,32 +338,35 @@ def _chunk_store(WAcc, WML, c, qrow, head, valid, acc, m, l, T, HQ, chunks, D: t
 
 
 @triton.jit
-def _fold_kernel(O, WAcc, WML, QStart, SeqLen, S, T, chunks, stride_ot, stride_oh, G: tl.constexpr,
-                 TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SB: tl.constexpr):
-    """out of one tile of a split launch whose walk spans several chunks: the chunk states its
-    programs wrote folded in chunk order (_attend_tile's order and instructions), then acc / l.
-    Grid (tile programs, KV heads) as the split launch's first two axes."""
-    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
-    if seq >= S:
-        return
-    q0, qrow, hg, valid, qpos, first_pos, last_pos, seq_len = _tile_setup(seq, tile, QStart, SeqLen, G, TPT,
-                                                                          ROWS, True)
-    if last_pos < CHUNK:                             # one chunk: its program stored the output
-        return
-    head = tl.program_id(1) * G + hg
-    hq = G * tl.num_programs(1)
-    pa, pm, pl = _chunk_ptrs(WAcc, WML, 0, qrow, head, T, hq, chunks, D)
-    acc = tl.load(pa, mask=valid[:, None], other=0.0)
-    m = tl.load(pm, mask=valid, other=0.0)
-    l = tl.load(pl, mask=valid, other=1.0)
-    # chunks past the table's capacity: only in vLLM's dummy runs (sequences longer than a table
-    # row), whose outputs are never read; no read past the states' buffer
-    for c in range(1, tl.minimum(last_pos // CHUNK + 1, chunks)):
-        pa, pm, pl = _chunk_ptrs(WAcc, WML, c, qrow, head, T, hq, chunks, D)
-        acc, m, l = _fold(acc, m, l, tl.load(pa, mask=valid[:, None], other=0.0),
-                          tl.load(pm, mask=valid, other=float("-inf")), tl.load(pl, mask=valid, other=0.0))
-    tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + tl.arange(0, D)[None, :],
-             tl.div_rn(acc, l[:, None]).to(O.dtype.element_ty), mask=valid[:, None])
+def _last_to_arrive(Count, n):
+    """Whether this program is the last of the n programs of its tile to have stored its chunk
+    state; that one resets the tile's counter to 0 (for the next launch or graph replay).
+    Ordering: every thread's state stores, then a CTA barrier, then ONE acq_rel atomic at gpu
+    scope (release: the barrier put the other threads' stores before it; acquire: the last
+    program sees every earlier program's release, the atomics on Count forming one chain).
+    The old value reaches every thread of the program through shared memory and a barrier,
+    so its loads after this (bypassing L1: _fold_states) see all n states."""
+    tl.debug_barrier()
+    last = tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu") == n - 1
+    if last:
+        tl.store(Count, 0)   # no program of this launch touches Count again: all n have arrived
+    return last
+
+
+@triton.jit
+def _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr):
+    """The chunk states 0 .. n-1 of a split tile (stored by other programs, read past L1) folded
+    in chunk order: _attend_tile's order and instructions. Returns the fold's acc, m and l."""
+    pa, pm, pl = _chunk_ptrs(WAcc, WML, 0, qrow, head, T, HQ, chunks, D)
+    acc = tl.load(pa, mask=valid[:, None], other=0.0, cache_modifier=".cg")
+    m = tl.load(pm, mask=valid, other=0.0, cache_modifier=".cg")
+    l = tl.load(pl, mask=valid, other=1.0, cache_modifier=".cg")
+    for c in range(1, n):
+        pa, pm, pl = _chunk_ptrs(WAcc, WML, c, qrow, head, T, HQ, chunks, D)
+        acc, m, l = _fold(acc, m, l, tl.load(pa, mask=valid[:, None], other=0.0, cache_modifier=".cg"),
+                          tl.load(pm, mask=valid, other=float("-inf"), cache_modifier=".cg"),
+                          tl.load(pl, mask=valid, other=0.0, cache_modifier=".cg"))
+    return acc, m, l
 
 
 @triton.jit
@@ -591,6 +610,32 @@ def _split_programs(device) -> int:
     return _SPLIT_WAVES * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
+def _counters(device, slots):
+    """The split launch's arrival counters on `device` (int32, one per (tile program, KV head),
+    zero between launches: each tile's last program resets its own), at least `slots` of them;
+    None where that needs an allocation while the current stream is capturing a CUDA graph.
+    The rule: allocated at the first split launch (vLLM's eager warm-up before each capture
+    makes it), at least _COUNTER_SLOTS (one allocation serves every launch the threshold
+    splits), grown only outside capture (a capture that would need more launches unsplit: the
+    same bits), never freed (a captured graph keeps the address). One split launch in flight a
+    device at a time (one stream, graphs replayed one after another): concurrent ones would
+    share the counters."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < slots:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            _warn_unsplit_capture(device)
+            return None
+        bufs.append(torch.zeros(max(slots, _COUNTER_SLOTS), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+@functools.cache
+def _warn_unsplit_capture(device):
+    log.warning("attention on %s: a split launch was captured unsplit (the same bits, slower): its "
+                "counters are allocated only outside CUDA-graph capture (run the batch once eagerly first)",
+                device)
+
+
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
@@ -620,17 +665,17 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     if split is None:
         split = paged and programs * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
     split = split and paged and chunks > 1 and lse is None
+    count = _counters(q.device, programs * hkv) if split else o
+    split = split and count is not None
     wacc, wml = ((torch.empty((chunks, t, hq, d), dtype=torch.float32, device=q.device),
                   torch.empty((2, chunks, t, hq), dtype=torch.float32, device=q.device)) if split else (o, o))
     _attn_fwd_kernel[(programs, hkv, chunks if split else 1)](
-        q, ka, va, o, lse if lse is not None else o, wacc, wml, q_start, seq_lens if paged else q_start, tab, s, t,
+        q, ka, va, o, lse if lse is not None else o, wacc, wml, count if split else o, q_start,
+        seq_lens if paged else q_start, tab, s, t,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, num_warps=warps, num_stages=stages, **EXACT)
-    if split:
-        _fold_kernel[(programs, hkv)](o, wacc, wml, q_start, seq_lens, s, t, chunks, o.stride(0), o.stride(1), G=g,
-                                      TPT=tpt, ROWS=rows, D=d, CHUNK=KV_CHUNK, SB=sb, num_warps=4, **EXACT)
     return o
 
 
