@@ -237,37 +237,35 @@ def main(argv=None):
     total = args.prompts * args.n
     print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({total} requests), prompts ~"
           f"{args.prompt_len} tokens, responses <= {args.max_response}; engines {args.engines}", flush=True)
-    results, rounds = {}, []
-    engines = args.engines.split(",")
-    for i in range(1 if args.profile else args.rounds):
+    results, rounds, engines = {}, [], args.engines.split(",")
+    if args.profile:
+        for engine in engines:
+            t = time.time()
+            r = results[engine] = run_engine(args, engine)
+            r["wall_s"] = time.time() - t
+            print_profile(engine, r)
+    for i in range(0 if args.profile else args.rounds):
         this = {}
         for engine in engines if i % 2 == 0 else engines[::-1]:   # ABBA: drift hits both alike
             t = time.time()
             with GpuSampler() as gpu:
                 r = this[engine] = run_engine(args, engine)
-            r["wall_s"], r["gpu"] = time.time() - t, gpu.summary()
-            if args.profile:
-                results[engine] = r
-                print_profile(engine, r)
-                continue
-            r["batch_s"] = statistics.median(r["seconds"])
+            r["wall_s"], r["gpu"], r["batch_s"] = time.time() - t, gpu.summary(), statistics.median(r["seconds"])
             g = r["gpu"]
             print(f"[bench_vllm_gpu] round {i + 1}/{args.rounds} {engine}: engine up in {r['engine_start_s']:.1f}s; "
                   f"{r['tokens']} output tokens in {r['batch_s']:.2f}s ({', '.join(f'{s:.2f}' for s in r['seconds'])})"
                   f": {r['tokens'] / r['batch_s']:.0f} tokens/s" + (
                       f"; GPU SM clock median {g['sm_mhz_median']:.0f} MHz (min {g['sm_mhz_min']:.0f}), power "
                       f"{g['power_w_median']:.0f} W, up to {g['temp_c_max']:.0f} C" if g else ""), flush=True)
-        if not args.profile:
-            rounds.append(this)
-    if not args.profile:
-        for engine in engines:
-            runs = [r[engine] for r in rounds]
-            results[engine] = {"engine": engine, "tokens": runs[0]["tokens"],
-                               "seconds": [s for r in runs for s in r["seconds"]],
-                               "engine_start_s": statistics.median(r["engine_start_s"] for r in runs),
-                               "wall_s": sum(r["wall_s"] for r in runs)}
-            results[engine]["batch_s"] = statistics.median(results[engine]["seconds"])
-            results[engine]["tokens_per_s"] = results[engine]["tokens"] / results[engine]["batch_s"]
+        rounds.append(this)
+    for engine in engines if rounds else ():
+        runs = [r[engine] for r in rounds]
+        results[engine] = {"engine": engine, "tokens": runs[0]["tokens"],
+                           "seconds": [s for r in runs for s in r["seconds"]],
+                           "engine_start_s": statistics.median(r["engine_start_s"] for r in runs),
+                           "wall_s": sum(r["wall_s"] for r in runs)}
+        results[engine]["batch_s"] = statistics.median(results[engine]["seconds"])
+        results[engine]["tokens_per_s"] = results[engine]["tokens"] / results[engine]["batch_s"]
     if not args.profile and "stock" in results:
         base = results["stock"]
         if len(rounds) > 1 and "plugin" in results:

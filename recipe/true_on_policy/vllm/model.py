@@ -115,6 +115,6 @@ def warm_logits(compute_logits, hidden_states):
     with torch.no_grad():
         for m in range(1, n + 1):
             logits = compute_logits(hidden_states[:m])
-        for rows in sorted({n} | {1 << i for i in range(n.bit_length()) if 1 << i <= n}):
+        for rows in sorted({n, *(1 << i for i in range(n.bit_length()))}):   # powers of two <= n, and n
             for vocab_limit in (logits.shape[-1], logits.shape[-1] - 1):
                 co.log_softmax(logits[:rows], torch.ones(rows, device=logits.device), vocab_limit)
