@@ -148,30 +148,50 @@ def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_
 
 
 @triton.jit
+def _fresh(ROWS: tl.constexpr, D: tl.constexpr):
+    """An empty online-softmax state: acc 0, row max -inf, row sum 0."""
+    return tl.zeros([ROWS, D], tl.float32), tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32)
+
+
+@triton.jit
+def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V, stride_k, stride_v, Table,
+          stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
+          CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr,
+          FOLD: tl.constexpr):
+    """Key blocks j_lo .. j_hi - 1 of the contract's walk, in ONE loop (a loop a chunk would restart
+    the software pipeline every CHUNK // KV blocks). FOLD: at the first block of every chunk but
+    chunk 0, the state (acc, m, l) of the chunk before is folded into (facc, fm, fl) and restarts;
+    else the blocks lie in one chunk and (facc, fm, fl) pass through."""
+    offs = tl.arange(0, KV)
+    for j in range(j_lo, j_hi):
+        if FOLD:
+            if (j > 0) & (j % (CHUNK // KV) == 0):
+                facc, fm, fl = _fold(facc, fm, fl, acc, m, l)
+                acc, m, l = _fresh(ROWS, D)
+        kpos = j * KV + offs
+        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
+                           PAGE, PAGED, TMA)
+        acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
+                                  qk_scale, D, MASK, TMA)
+    return facc, fm, fl, acc, m, l
+
+
+@triton.jit
 def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v, Table, stride_tab,
                   tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
                   CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
     """The contract's walk over the key blocks of KV chunk c, from a fresh state: blocks
     below n_full are seen whole by every row of the tile (no mask), blocks from n_blocks on
     by none. Returns the chunk's unnormalised acc, row max m and sum l."""
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    offs = tl.arange(0, KV)
+    acc, m, l = _fresh(ROWS, D)
     j0 = c * (CHUNK // KV)
     j1 = tl.minimum(j0 + CHUNK // KV, n_blocks)
-    for j in range(j0, tl.minimum(j1, n_full)):
-        kpos = j * KV + offs
-        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
-                           PAGE, PAGED, TMA)
-        acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
-                                  qk_scale, D, False, TMA)
-    for j in range(tl.maximum(j0, n_full), j1):
-        kpos = j * KV + offs
-        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
-                           PAGE, PAGED, TMA)
-        acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
-                                  qk_scale, D, True, TMA)
+    _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, j0, tl.minimum(j1, n_full), q, qpos, seq, seq_len, row0, K, V,
+                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
+                               CHUNK, PAGE, PAGED, TMA, False, False)
+    _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, tl.maximum(j0, n_full), j1, q, qpos, seq, seq_len, row0, K, V,
+                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
+                               CHUNK, PAGE, PAGED, TMA, True, False)
     return acc, m, l
 
 
@@ -179,7 +199,8 @@ def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride
 def _fold(facc, fm, fl, acc, m, l):
     """The contract's fold of a chunk's state (acc, m, l) into the fold of the chunks before
     it (base 2; each product rounded, then the sum: no FMA); a row that sees no key of the
-    chunk keeps its state."""
+    chunk keeps its state. Folding into an empty state (fm = -inf, facc = fl = 0) gives the
+    chunk's state bit for bit (0 * 0 + acc * 1)."""
     top = tl.maximum(fm, m)
     x = tl.exp2(fm - top)
     y = tl.exp2(m - top)
@@ -198,14 +219,15 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
     acc, the row max m and sum l of the fold."""
     n_full = (first_pos + 1) // KV      # blocks every row sees entirely: the mask is a no-op
     n_blocks = last_pos // KV + 1       # later blocks are invisible to every row of the tile
-    acc, m, l = _attend_chunk(0, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v, Table,
-                              stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV, CHUNK, PAGE, PAGED, TMA)
-    for c in range(1, last_pos // CHUNK + 1):
-        acc_c, m_c, l_c = _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v,
-                                        Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV, CHUNK, PAGE,
-                                        PAGED, TMA)
-        acc, m, l = _fold(acc, m, l, acc_c, m_c, l_c)
-    return acc, m, l
+    facc, fm, fl = _fresh(ROWS, D)
+    acc, m, l = _fresh(ROWS, D)
+    facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, 0, n_full, q, qpos, seq, seq_len, row0, K, V, stride_k,
+                                    stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV, CHUNK,
+                                    PAGE, PAGED, TMA, False, True)
+    facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, n_full, n_blocks, q, qpos, seq, seq_len, row0, K, V,
+                                    stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
+                                    CHUNK, PAGE, PAGED, TMA, True, True)
+    return _fold(facc, fm, fl, acc, m, l)
 
 
 @triton.jit
