@@ -327,23 +327,27 @@ LINEAR_PROBE = {   # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages, TMA)
 
 
 def probe_linear():
-    """Every tile entry at every M: ratio cuBLAS / ours (graph replays) and whether its
-    rows equal the 128x128x64 rows of M=4096 bit for bit."""
+    """Every tile entry at every M, per layer shape: ratio cuBLAS / ours (graph replays) and whether
+    its rows equal the 128x128x64 rows of the largest M bit for bit. lm_head: the rollout's logits
+    GEMM at decode batch sizes (vLLM computes one row a sequence; an 8-layer model spends ~40 % of
+    a 512-sequence step's FLOPs there)."""
     from consistent_ops.triton import gemm
-    ms_list = (16, 64, 128, 256, 512, 1024, 4096)
-    for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048))):
-        w, x = rand(n, k, scale=k ** -0.5), rand(4096, k)
+    dense = (16, 64, 128, 256, 512, 1024, 4096)
+    for name, (k, n), ms_list in (("qkv", (2048, 5120), dense), ("o_proj", (4096, 2048), dense),
+                                  ("lm_head", (2048, 151936), (64, 128, 256, 512, 1024))):
+        w, x = rand(n, k, scale=k ** -0.5), rand(ms_list[-1], k)
         full = gemm.matmul(x, w, cfg=(128, 128, 64, 8, 8, 4, True))
         stock = {m: _graph_ms(lambda m=m: F.linear(x[:m], w)) for m in ms_list}
-        print(f"probe linear {name}: cuBLAS us " + " ".join(f"M{m}={stock[m] * 1e3:.1f}" for m in ms_list))
+        print(f"probe linear {name}: cuBLAS us " + " ".join(f"M{m}={stock[m] * 1e3:.1f}" for m in ms_list)
+              + "; in use " + " ".join(f"M{m}={gemm._config(m, n)}" for m in ms_list))
         for cname, cfg in LINEAR_PROBE.items():
             try:
                 same = all(torch.equal(gemm.matmul(x[:m], w, cfg=cfg), full[:m]) for m in (1, 7) + ms_list)
                 r = {m: stock[m] / _graph_ms(lambda m=m: gemm.matmul(x[:m], w, cfg=cfg)) for m in ms_list}
-                print(f"  {name:6s} {cname:20s} bits {'same' if same else 'DIFF'}  "
+                print(f"  {name:7s} {cname:20s} bits {'same' if same else 'DIFF'}  "
                       + " ".join(f"{r[m]:.2f}" for m in ms_list), flush=True)
             except Exception as e:
-                print(f"  {name:6s} {cname:20s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                print(f"  {name:7s} {cname:20s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
 
 
 def probe_linear_decode():
@@ -577,7 +581,7 @@ def main():
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
-                 probe_host=probe_host, probe_linear_decode=probe_linear_decode)
+                 probe_host=probe_host, probe_linear=probe_linear, probe_linear_decode=probe_linear_decode)
     failed = []
     for key in args.only:
         try:

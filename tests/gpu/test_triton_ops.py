@@ -18,7 +18,7 @@ co.set_backend("triton")
 DEV, BF16 = "cuda", torch.bfloat16
 H, VOCAB = 2048, 151936
 E, TOPK, INTER = 128, 8, 768
-SHAPES = {"qkv": (2048, 5120), "o_proj": (4096, 2048), "router": (2048, 128)}   # (K, N)
+SHAPES = {"qkv": (2048, 5120), "o_proj": (4096, 2048), "router": (2048, 128), "lm_head": (2048, 151936)}   # (K, N)
 MS = [1, 7, 16, 100, 255, 256, 257, 1024, 4096]
 
 

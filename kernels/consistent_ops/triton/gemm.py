@@ -50,6 +50,10 @@ def _config(m, n):
         return _NARROW[64]      # shapes round differently; Ascend's cube order across shapes is undocumented
     if m <= 16:   # the decode tail: weight-streaming, so many short programs (probe_linear_decode)
         return _TINY["wide"] if n >= _TINY_WIDE_N else _TINY["mid"] if n >= _TINY_MID_N else _TINY["narrow"]
+    # the lm_head from M 65 (H200, probe_linear lm_head, 2026-12-03, cuBLAS / ours at M 128 / 256 / 512):
+    # "large" 0.91 at 128, "huge" 0.86 / 0.90 at 256 / 512, where the M <= 512 tiles gave 0.73 / 0.70 / 0.71
+    if n >= _TINY_WIDE_N and m > 64:
+        return _LARGE if m <= 128 else _HUGE
     if m <= 128:
         return next((c for c in _NARROW.values() if _programs(m, n, c) >= _MIN_PROGRAMS), _NARROW[16])
     if m <= 512:
