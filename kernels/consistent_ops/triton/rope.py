@@ -31,8 +31,8 @@ def _rope_kernel(X, Cos, Sin, Y, H, stride_xt, stride_xh, stride_yt, stride_yh, 
     x2 = tl.load(x + HALF, mask=live).to(tl.float32)
     c = tl.load(Cos + t * stride_c + d)[None, :]
     s = tl.load(Sin + t * stride_c + d)[None, :]
-    y1, y2 = _rotate(x1, x2, c, s)
     y = Y + t * stride_yt + h[:, None] * stride_yh + d[None, :]
+    y1, y2 = _rotate(x1, x2, c, s)
     tl.store(y, y1.to(Y.dtype.element_ty), mask=live)
     tl.store(y + HALF, y2.to(Y.dtype.element_ty), mask=live)
 
