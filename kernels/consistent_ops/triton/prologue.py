@@ -1,6 +1,6 @@
 """The attention prologue after the rollout's one q/k/v GEMM in one launch: q and k per-head RMSNorm
-then RoPE, and v's copy, read from the GEMM output's column blocks in place (rms_norm's copies, two
-norms, two ropes and v's copy were ~8 launches a layer: at decode batch 1 more than the weights take).
+then RoPE, and v's copy, read from the GEMM output's column blocks in place (rms_norm's two copies, two
+norms, two ropes and v's copy were ~8 launches a layer, at decode batch 1 longer than reading the weights).
 
 The bits are rms_norm's then apply_rope's. A head's sum of squares is reduced on the tile rms_norm
 takes for H = head_dim (norm._shape: rows a program, block, warps), loaded as rms_norm loads a row, so
