@@ -69,6 +69,33 @@ def test_one_gemm_for_q_k_v_and_loads_land_in_it(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(rollout_logits(model, seqs, 13, 16), ref))
 
 
+def test_stacked_qkv_norms_rope_and_v_in_one_call(monkeypatch):
+    """Where the backend has qk_norm_rope (Triton), the stacked path hands it q/k/v as views of the one
+    GEMM output and takes its three tensors (here the ops themselves: the trainer's bits); a hooked
+    norm runs its own forward instead."""
+    import consistent_ops as co
+    monkeypatch.setattr(co, "attention_prologue", lambda *args: None)
+    calls = []
+
+    def ops(q, k, v, q_norm, k_norm, eps, cos, sin):
+        width = (q.shape[1] + 2 * k.shape[1]) * q.shape[2]       # rows of one [T, (Hq + 2 Hkv) * D] tensor
+        calls.append(len({x.untyped_storage().data_ptr() for x in (q, k, v)}) == 1
+                     and {x.stride(0) for x in (q, k, v)} == {width})
+        return (*(co.apply_rope(co.rms_norm(x, w, eps), cos, sin) for x, w in ((q, q_norm), (k, k_norm))),
+                v.contiguous())
+
+    monkeypatch.setattr(co, "qk_norm_rope", ops)
+    model, seqs = random_model(tiny_config("qwen3")), prompts()
+    ref = trainer_logits(model, seqs)
+    assert not calls                        # the trainer's modules: the separate ops
+    fuse(model)
+    assert all(torch.equal(a, b) for a, b in zip(rollout_logits(model, seqs, 13, 16), ref)) and all(calls)
+    calls.clear()
+    model.model.layers[0].self_attn.k_norm.register_forward_hook(lambda *_: None)
+    rollout_logits(model, seqs[:1], 1000, 16)
+    assert calls == [True] * (len(model.model.layers) - 1)
+
+
 def test_fused_calls_leave_hooked_modules_to_their_forward():
     """check --localize hooks projections and norms: a hooked module runs its own forward."""
     model = random_model(tiny_config("qwen3"))

@@ -415,6 +415,43 @@ def test_rope_backward_is_the_reference_autograd():
     assert torch.equal(xg.grad, xr.grad)
 
 
+def _stacked_qkv(t, hq, hkv, d, seed):
+    """q [T, Hq, D], k, v [T, Hkv, D] as the rollout takes them: views of one q/k/v GEMM output."""
+    out = rand(t, (hq + 2 * hkv) * d, seed=seed)
+    return [part.view(t, -1, d) for part in out.split([hq * d, hkv * d, hkv * d], 1)]
+
+
+@pytest.mark.parametrize("t", [1, 3, 17, 64])
+def test_qk_norm_rope_is_rms_norm_then_rope(t):
+    """The rollout's one launch == rms_norm then apply_rope on copies of q and k, and v copied, bit
+    for bit; the rope at other positions, or another eps, gives other bits."""
+    q, k, v = _stacked_qkv(t, 4, 2, 32, seed=80 + t)
+    wq, wk = ((1 + 0.1 * rand(32, seed=s).float()).to(BF16) for s in (81, 82))
+    cos, sin = R.rope_cos_sin(torch.arange(t) * 37 + 5, 32, 1e6)
+    fq, fk, fv = T.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    assert torch.equal(fq, T.apply_rope(T.rms_norm(q.contiguous(), wq, 1e-6), cos, sin))
+    assert torch.equal(fk, T.apply_rope(T.rms_norm(k.contiguous(), wk, 1e-6), cos, sin))
+    assert torch.equal(fv, v) and all(x.is_contiguous() for x in (fq, fk, fv))
+    moved = R.rope_cos_sin(torch.arange(t) * 37 + 6, 32, 1e6)
+    assert not torch.equal(T.qk_norm_rope(q, k, v, wq, wk, 1e-6, *moved)[0], fq)
+    assert not torch.equal(T.qk_norm_rope(q, k, v, wq, wk, 1e-2, cos, sin)[1], fk)
+
+
+def test_qk_norm_rope_leaves_unaddressed_layouts_to_the_ops():
+    """None (the caller runs the separate ops) where the kernel's addressing does not hold: head_dim
+    not a power of two, a strided last dim, no tokens, or a gradient to keep."""
+    q, k, v = _stacked_qkv(3, 4, 2, 32, seed=83)
+    w, cos, sin = rand(32, seed=84), *R.rope_cos_sin(torch.arange(3), 32, 1e6)
+    assert T.qk_norm_rope(q, k, v, w, w, 1e-6, cos, sin) is not None
+    q24, k24, v24 = _stacked_qkv(3, 4, 2, 24, seed=85)
+    assert T.qk_norm_rope(q24, k24, v24, w[:24], w[:24], 1e-6, *R.rope_cos_sin(torch.arange(3), 24, 1e6)) is None
+    assert T.qk_norm_rope(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, w, w, 1e-6, cos, sin) is None
+    assert T.qk_norm_rope(q[:0], k[:0], v[:0], w, w, 1e-6, cos[:0], sin[:0]) is None
+    assert T.qk_norm_rope(q.clone().requires_grad_(), k, v, w, w, 1e-6, cos, sin) is None
+    with torch.no_grad():
+        assert T.qk_norm_rope(q.clone().requires_grad_(), k, v, w, w, 1e-6, cos, sin) is not None
+
+
 def test_log_softmax_temperature_and_vocab_limit():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 9000, generator=g) * 4

@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 
 import consistent_ops as co  # noqa: E402
 from harness import ModelRunner, build_hf_model, build_model  # noqa: E402
+from true_on_policy.models.qwen3 import fuse  # noqa: E402
 
 co.set_backend("triton")
 DEV = "cuda"
@@ -95,6 +96,31 @@ def test_mixed_batches_equal_train(model, tokens, train_logits):
     got = run(model, tokens, sched)
     keep = [{i: got[0][i] for i in range(a - 4, a)}, got[1], {i: got[2][i] for i in range(33, 37)}]
     assert_equal_rows(keep, train_logits, tokens)
+
+
+def test_fused_prologue_equals_separate_ops(tokens, monkeypatch):
+    """The rollout's modules as vLLM's model class fuses them (q/k/v in one GEMM, then q/k norms, RoPE
+    and v's copy in one launch): the logits of the separate norm and RoPE launches, prefill and decode."""
+    model = build_model(layers=2)
+    fuse(model)
+    real, hits = co.qk_norm_rope, []
+
+    def counted(*args):
+        out = real(*args)
+        hits.append(out is not None)
+        return out
+
+    sched = [[(s, 0, n - 3) for s, n in enumerate(LENS)]]
+    sched += [[(s, n - 3 + i, n - 2 + i) for s, n in enumerate(LENS)] for i in range(3)]
+    monkeypatch.setattr(co, "qk_norm_rope", counted)
+    fused = run(model, tokens, sched)
+    assert hits and all(hits)
+    monkeypatch.setattr(co, "qk_norm_rope", lambda *args: None)
+    separate = run(model, tokens, sched)
+    for f, s in zip(fused, separate):
+        assert sorted(f) == sorted(s) and all(torch.equal(f[i], s[i]) for i in f)
+    del model, fused, separate
+    torch.cuda.empty_cache()
 
 
 @torch.no_grad()

@@ -268,3 +268,22 @@ def test_fused_router_rope_combine_equal_their_torch_forms(moe):
     assert torch.equal(co.apply_rope(q, cos, sin), ref.apply_rope(q, cos, sin))
     contrib = torch.randn(4096, TOPK, H, device=DEV)
     assert torch.equal(co.moe_combine(contrib, BF16), ref.moe_combine(contrib, BF16))
+
+
+@pytest.mark.parametrize("t", [1, 2, 7, 64, 512, 4099])
+def test_qk_norm_rope_equals_rms_norm_then_rope(t):
+    """The rollout's q/k norms, RoPE and v's copy in one launch, read from the column blocks of one q/k/v
+    GEMM output (Qwen3-30B-A3B heads): the bits of rms_norm then apply_rope, v copied; another eps or
+    other positions give other bits."""
+    hq, hkv, d = 32, 4, 128
+    q, k, v = (p.view(t, -1, d) for p in rand(t, (hq + 2 * hkv) * d, seed=50 + t).split([hq * d, hkv * d, hkv * d], 1))
+    wq, wk = ((1 + 0.1 * rand(d, seed=s, dtype=torch.float32)).to(BF16) for s in (51, 52))
+    cos, sin = co.rope_cos_sin(torch.arange(t, device=DEV) * 3 + 11, d, 1e6)
+    fused = co.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    assert fused is not None and all(x.is_contiguous() for x in fused)
+    separate = (co.apply_rope(co.rms_norm(q, wq, 1e-6), cos, sin), co.apply_rope(co.rms_norm(k, wk, 1e-6), cos, sin),
+                v.contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(fused, separate))
+    assert not torch.equal(co.qk_norm_rope(q, k, v, wq, wk, 1e-2, cos, sin)[1], fused[1])
+    moved = co.rope_cos_sin(torch.arange(t, device=DEV) * 3 + 12, d, 1e6)
+    assert not torch.equal(co.qk_norm_rope(q, k, v, wq, wk, 1e-6, *moved)[0], fused[0])

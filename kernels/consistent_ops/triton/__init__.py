@@ -14,6 +14,7 @@ from .logprobs import log_softmax, token_logprobs
 from .moe import moe_combine, moe_expert_contributions, moe_route
 from .norm import add_rms_norm, rms_norm
 from .pointwise import embedding, finish_row_parallel, ordered_sum, rope_cos_sin, silu_mul
+from .prologue import qk_norm_rope
 from .rope import apply_rope
 from .truncation import truncate_logprobs
 

@@ -30,6 +30,19 @@ def _row_mean(v, Hf):
 
 
 @triton.jit
+def _inv_rms(x, Hf, eps):
+    """Per row of fp32 x: 1 / sqrt(sum(x^2) / H + eps), IEEE sqrt and division."""
+    return tl.div_rn(1.0, tl.sqrt_rn(_row_mean(x * x, Hf) + eps))
+
+
+@triton.jit
+def _normed(x, inv, w, dtype: tl.constexpr):
+    """(x32 * inv) -> dtype, then * weight (fp32 of dtype's) -> dtype: elementwise, so any slice of a
+    row (prologue.py's halves) gets the bits of the whole row's."""
+    return ((x * inv).to(dtype).to(tl.float32) * w).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(X, Res, W, Y, ResOut, M, H, Hf, eps, stride_x, stride_r, stride_y,
                      HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows, cols, inside = _rows_of(M, H, ROWS, BLOCK)
@@ -40,10 +53,9 @@ def _rms_norm_kernel(X, Res, W, Y, ResOut, M, H, Hf, eps, stride_x, stride_r, st
         tl.store(ResOut + rows * stride_y + cols, xr, mask=inside)
         x = xr.to(tl.float32)
     # var = sum(x32^2) / H; y = (x32 * (1 / sqrt(var + eps))) -> dtype, then * weight in dtype
-    inv = tl.div_rn(1.0, tl.sqrt_rn(_row_mean(x * x, Hf) + eps))
-    y = (x * inv).to(Y.dtype.element_ty).to(tl.float32)
+    inv = _inv_rms(x, Hf, eps)
     w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
-    tl.store(Y + rows * stride_y + cols, (y * w).to(Y.dtype.element_ty), mask=inside)
+    tl.store(Y + rows * stride_y + cols, _normed(x, inv, w, Y.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -54,7 +66,7 @@ def _rms_norm_bwd_kernel(X, W, DY, DRes, DX, YHat, M, H, Hf, eps, stride, HAS_DR
     when the norm was fused with a residual add). Also stores n rounded (for dw)."""
     rows, cols, inside = _rows_of(M, H, ROWS, BLOCK)
     x = tl.load(X + rows * stride + cols, mask=inside, other=0.0).to(tl.float32)
-    inv = tl.div_rn(1.0, tl.sqrt_rn(_row_mean(x * x, Hf) + eps))
+    inv = _inv_rms(x, Hf, eps)
     n = x * inv
     tl.store(YHat + rows * stride + cols, n.to(YHat.dtype.element_ty), mask=inside)
     g = tl.load(DY + rows * stride + cols, mask=inside, other=0.0).to(tl.float32) * \

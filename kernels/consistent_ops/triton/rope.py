@@ -14,6 +14,12 @@ from .common import EXACT
 
 
 @triton.jit
+def _rotate(x1, x2, c, s):
+    """fp32 halves (x1, x2) rotated: (x1*c - x2*s, x2*c + x1*s), each product and sum rounded (EXACT)."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
 def _rope_kernel(X, Cos, Sin, Y, H, stride_xt, stride_xh, stride_yt, stride_yh, stride_c,
                  HB: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -26,8 +32,9 @@ def _rope_kernel(X, Cos, Sin, Y, H, stride_xt, stride_xh, stride_yt, stride_yh, 
     c = tl.load(Cos + t * stride_c + d)[None, :]
     s = tl.load(Sin + t * stride_c + d)[None, :]
     y = Y + t * stride_yt + h[:, None] * stride_yh + d[None, :]
-    tl.store(y, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=live)
-    tl.store(y + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=live)
+    y1, y2 = _rotate(x1, x2, c, s)
+    tl.store(y, y1.to(Y.dtype.element_ty), mask=live)
+    tl.store(y + HALF, y2.to(Y.dtype.element_ty), mask=live)
 
 
 def _rope(x, cos, sin):

@@ -47,9 +47,8 @@ class Attention(nn.Module):
 
     def qkv(self, x, rope):
         """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        parts = (*projections, self.q_norm, self.k_norm)
-        if self.fused and self.q_proj.bias is None and not _hooked(*parts):
+        projections, norms = (self.q_proj, self.k_proj, self.v_proj), (self.q_norm, self.k_norm)
+        if self.fused and self.q_proj.bias is None and not _hooked(*projections, *norms):
             out = co.attention_prologue(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                         self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
                                         self.head_dim)
@@ -58,13 +57,17 @@ class Attention(nn.Module):
         t, d = x.shape[0], self.head_dim
         if self.qkv_weight is not None and not _hooked(*projections) and _rows_of(self.qkv_weight, projections):
             # one GEMM: each output is the dot product its own projection computes (contract "linear")
-            q, k, v = co.linear(x, self.qkv_weight.to(x.dtype)).split([m.weight.shape[0] for m in projections], 1)
+            out = co.linear(x, self.qkv_weight.to(x.dtype)).split([m.weight.shape[0] for m in projections], 1)
+            q, k, v = (part.view(t, -1, d) for part in out)
+            # the norms, RoPE and v's copy read q/k/v in place, in one call where the backend has one
+            fused = None if _hooked(*norms) else co.qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight,
+                                                                 self.q_norm.eps, rope.cos, rope.sin)
+            if fused is not None:
+                return fused
             v = v.contiguous()
         else:
-            q, k, v = (m(x) for m in projections)
-        q = self.q_norm(q.view(t, -1, d))
-        k = self.k_norm(k.view(t, -1, d))
-        return rope.apply(q), rope.apply(k), v.view(t, -1, d)
+            q, k, v = (m(x).view(t, -1, d) for m in projections)
+        return rope.apply(self.q_norm(q)), rope.apply(self.k_norm(k)), v
 
     def heads(self, x, rope, attend):
         """The attention output [T, Hq * D] (o_proj's input)."""
