@@ -423,6 +423,43 @@ def probe_attention():
     _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2))))
 
 
+def probe_decode_split():
+    """The decode tail's paged launch alone (B=1 x 1k took 31 us a layer, B=1 x 32k 93 us in the
+    48-layer step, 2026-12-03): graph-replayed us per call at B 1 / 4 and context 1k / 8k / 32k, by
+    page size and by table width (vLLM sizes the table by max_model_len: 40,960 tokens here, so 80
+    KV chunks of programs, most returning at once), for forward tiles (rows, warps, stages) and
+    unsplit; bits against the default launch."""
+    from consistent_ops.triton import attention as ta
+    from harness import PagedKV
+    variants = {"default": {}, "unsplit": dict(split=False), "stages 2": dict(tile=(64, 4, 2)),
+                "stages 4": dict(tile=(64, 4, 4)), "warps 8": dict(tile=(64, 8, 3))}
+    for page in (16, 32):
+        for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768)):
+            for width in (ctx, 40960):
+                kv = PagedKV(1, batch * width // page + 8, page, HKV, D, BF16, DEV)
+                kv.k[0].normal_(), kv.v[0].normal_()
+                _, _, bt, seq_lens, _ = kv.plan([(i, ctx) for i in range(batch)])
+                table = torch.zeros(batch, width // page, dtype=torch.int32, device=DEV)
+                table[:, :bt.shape[1]] = bt
+                q = rand(batch, HQ, D)
+                qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+
+                def run(**kw):
+                    return ta._forward(q, kv.k[0], kv.v[0], qsl, seq_lens, table, D ** -0.5, True, **kw)
+                base = run()
+                cells = []
+                for name, kw in variants.items():
+                    try:
+                        same = torch.equal(run(**kw), base)
+                        cells.append(f"{name} {bench_graph(lambda kw=kw: run(**kw)) * 1e3:.1f} us"
+                                     + ("" if same else " DIFF"))
+                    except Exception as e:
+                        cells.append(f"{name} failed {type(e).__name__}")
+                print(f"probe decode split page={page} B={batch} ctx={ctx} table {width}: " + "; ".join(cells),
+                      flush=True)
+                del kv
+
+
 BWD_SHAPES = ((4096, 4), (8192, 2), (16384, 1), (4096, 1))   # S x seqs; 4k x1: the actor's one sequence
 
 
@@ -581,7 +618,8 @@ def main():
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
-                 probe_host=probe_host, probe_linear=probe_linear, probe_linear_decode=probe_linear_decode)
+                 probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=probe_decode_split,
+                 probe_linear_decode=probe_linear_decode)
     failed = []
     for key in args.only:
         try:
