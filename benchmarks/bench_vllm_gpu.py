@@ -14,7 +14,8 @@ that many fresh processes of each engine, interleaved ABBA (stock, plugin, plugi
 on the H200 one engine's batch time moved by up to 1.5x between processes (2026-12-03), so a
 ratio needs several; the GPU's SM clock, power and temperature are sampled during each.
 Reported: output tokens/s and the time to finish the batch (medians over every timed generate of
-all rounds), each round's plugin / stock, and plugin / stock of the medians.
+all rounds), each round's plugin / stock, and plugin / stock of the medians; and the steps' wall
+time by how many requests were unfinished (the full batch vs its tail; StepTimes).
 
     python3 benchmarks/bench_vllm_gpu.py --model DIR [--json out.json]
     python3 benchmarks/bench_vllm_gpu.py --model DIR --max-response 16384 --prompts 16
@@ -103,6 +104,36 @@ def generate(llm, engine, work):
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+class StepTimes:
+    """Wall time of the engine's steps by how many requests were unfinished when each began (the
+    full batch, its middle, its tail: where one engine loses to the other), summed over the timed
+    generates. Wraps the instance's step(), which LLM.generate calls once a step; engines without
+    get_num_unfinished_requests are left alone (summary empty)."""
+    BUCKETS = ((8, "<=8"), (64, "9-64"), (256, "65-256"), (math.inf, ">256"))
+
+    def __init__(self, engine):
+        self.spent = {}
+        if not hasattr(engine, "get_num_unfinished_requests"):
+            return
+        inner = engine.step
+
+        def step():
+            n = engine.get_num_unfinished_requests()
+            t = time.perf_counter()
+            try:
+                return inner()
+            finally:
+                cell = self.spent.setdefault(next(name for most, name in self.BUCKETS if n <= most), [0.0, 0])
+                cell[0] += time.perf_counter() - t
+                cell[1] += 1
+        engine.step = step
+
+    def summary(self, generates):
+        """{bucket: [seconds, steps] per timed generate}, buckets in BUCKETS order."""
+        return {name: [self.spent[name][0] / generates, self.spent[name][1] / generates]
+                for _, name in self.BUCKETS if name in self.spent}
+
+
 def run_child(args):
     from transformers import AutoTokenizer
     vocab = len(AutoTokenizer.from_pretrained(args.model))
@@ -121,11 +152,13 @@ def run_child(args):
     if args.profile:
         result["kernels"] = profile(llm, args.child, work)
         result["tail"] = profile(llm, args.child, [(p, PROFILE_TAIL[1]) for p, _ in work[:PROFILE_TAIL[0]]])
+    steps = StepTimes(llm.llm_engine)
     for _ in range(0 if args.profile else args.repeats):
         llm.reset_prefix_cache()
         t = time.perf_counter()
         result["tokens"] = generate(llm, args.child, work)
         result["seconds"].append(time.perf_counter() - t)
+    result["steps"] = steps.summary(max(len(result["seconds"]), 1))
     print("@@result " + json.dumps(result), flush=True)
 
 
@@ -228,6 +261,13 @@ def run_engine(args, engine):
     raise SystemExit(f"error: the {engine} engine failed (exit {proc.returncode}); its last lines are above")
 
 
+def _pooled_steps(per_round):
+    """StepTimes summaries of several rounds -> their mean per bucket (rounds without one skipped)."""
+    rounds = [r for r in per_round if r]
+    names = [name for _, name in StepTimes.BUCKETS if any(name in r for r in rounds)]
+    return {name: [sum(r.get(name, [0.0, 0])[i] for r in rounds) / len(rounds) for i in (0, 1)] for name in names}
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
@@ -265,6 +305,7 @@ def main(argv=None):
                            "engine_start_s": statistics.median(r["engine_start_s"] for r in runs),
                            "wall_s": sum(r["wall_s"] for r in runs)}
         results[engine]["batch_s"] = statistics.median(results[engine]["seconds"])
+        results[engine]["steps"] = _pooled_steps([r.get("steps", {}) for r in runs])
         results[engine]["tokens_per_s"] = results[engine]["tokens"] / results[engine]["batch_s"]
     if not args.profile and "stock" in results:
         base = results["stock"]
@@ -275,6 +316,12 @@ def main(argv=None):
         for engine, r in results.items():
             print(f"{engine:<8}{r['tokens_per_s']:>14.0f}{r['batch_s']:>10.2f}"
                   f"{r['tokens_per_s'] / base['tokens_per_s']:>10.3f}")
+        if "plugin" in results and base["steps"] and results["plugin"]["steps"]:
+            mine = results["plugin"]["steps"]
+            print(f"\n{'unfinished requests':<20}{'stock s':>9}{'plugin s':>10}{'stock / plugin':>16}{'steps':>8}")
+            for name, (sec, n) in base["steps"].items():
+                if name in mine:
+                    print(f"{name:<20}{sec:>9.2f}{mine[name][0]:>10.2f}{sec / mine[name][0]:>16.3f}{n:>8.0f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "date": time.strftime("%Y-%m-%d %H:%M"),
                                                "args": {k: v for k, v in vars(args).items() if k != "child"},

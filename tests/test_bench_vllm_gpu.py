@@ -54,3 +54,33 @@ def test_a_bad_count_is_refused_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--rounds", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "error: --rounds 0: use 1 or more"
+
+
+def test_step_times_bucket_by_unfinished_requests_and_pool_over_rounds(tmp_path, monkeypatch, capsys):
+    class Engine:
+        left = [300, 100, 9, 8, 1]
+
+        def get_num_unfinished_requests(self):
+            return self.left[0]
+
+        def step(self):
+            self.left.pop(0)
+            return ["out"]
+    engine = Engine()
+    steps = bench.StepTimes(engine)
+    assert [engine.step() for _ in range(5)] == [["out"]] * 5
+    summary = steps.summary(generates=1)
+    assert list(summary) == ["<=8", "9-64", "65-256", ">256"]
+    assert [n for _, n in summary.values()] == [2, 1, 1, 1]
+    assert bench.StepTimes(object()).summary(1) == {}            # an engine without the count: left alone
+
+    (tmp_path / "config.json").write_text("{}")
+    per = {"stock": iter([{"<=8": [2.0, 100], ">256": [10.0, 50]}, {"<=8": [4.0, 100], ">256": [12.0, 50]}]),
+           "plugin": iter([{"<=8": [4.0, 100], ">256": [11.0, 50]}, {"<=8": [4.0, 100], ">256": [11.0, 50]}])}
+    monkeypatch.setattr(bench, "run_engine", lambda args, engine: {
+        "engine": engine, "engine_start_s": 1.0, "seconds": [30.0], "tokens": 1000, "steps": next(per[engine])})
+    out = tmp_path / "b.json"
+    bench.main(["--model", str(tmp_path), "--rounds", "2", "--json", str(out)])
+    assert json.loads(out.read_text())["results"]["stock"]["steps"] == {"<=8": [3.0, 100], ">256": [11.0, 50]}
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["<=8", "3.00", "4.00", "0.750", "100"] in rows and [">256", "11.00", "11.00", "1.000", "50"] in rows
