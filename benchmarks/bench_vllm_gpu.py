@@ -53,6 +53,8 @@ def parse_args(argv=None):
                    "kernels, wall time and launches (torch profiler, engine in-process) over --prompts x --n "
                    "requests of 128 tokens, then over a tail of 8 of them generating 512 tokens")
     p.add_argument("--json")
+    p.add_argument("--logs", help="a folder: each engine process's whole output, written as it runs "
+                   "(<engine>-<n>.log; what a killed run leaves to read)")
     p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
@@ -147,7 +149,9 @@ def run_child(args):
     start_s = time.perf_counter() - t0
     # warm-up: every request for 32 tokens, so Triton compiles and autotunes what the batch's
     # shapes need (decode at every batch size down from the whole batch) before the clock runs
+    print(f"[{args.child}] engine up in {start_s:.1f} s; warm-up", flush=True)
     generate(llm, args.child, [(p, 32) for p, _ in work])
+    print(f"[{args.child}] warm-up done at {time.perf_counter() - t0:.1f} s", flush=True)
     result = {"engine": args.child, "engine_start_s": start_s, "seconds": [], "tokens": 0}
     if args.profile:
         result["kernels"] = profile(llm, args.child, work)
@@ -158,6 +162,7 @@ def run_child(args):
         t = time.perf_counter()
         result["tokens"] = generate(llm, args.child, work)
         result["seconds"].append(time.perf_counter() - t)
+        print(f"[{args.child}] generate {len(result['seconds'])}: {result['seconds'][-1]:.2f} s", flush=True)
     result["steps"] = steps.summary(max(len(result["seconds"]), 1))
     print("@@result " + json.dumps(result), flush=True)
 
@@ -241,22 +246,31 @@ class GpuSampler:
                 "power_w_median": statistics.median(power), "temp_c_max": max(temp), "samples": len(self.rows)}
 
 
-def run_engine(args, engine):
+def run_engine(args, engine, name=None):
+    """One engine process (name: its log's name under --logs) -> its @@result."""
     env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
     env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
     if args.profile:            # engine core in this process, so the profiler sees its kernels
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("json", "child", "profile", "engines", "rounds")] + (["--profile"] if args.profile else [])
+            if k not in ("json", "child", "profile", "engines", "rounds", "logs")] + (["--profile"] if args.profile else [])
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", engine], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     tail = []
-    for line in proc.stdout:
-        if line.startswith("@@result "):
-            proc.wait()
-            return json.loads(line[len("@@result "):])
-        tail = (tail + [line])[-60:]
-    proc.wait()
+    log = open(Path(args.logs) / f"{name or engine}.log", "w") if args.logs else None
+    try:
+        for line in proc.stdout:
+            if line.startswith("@@result "):
+                proc.wait()
+                return json.loads(line[len("@@result "):])
+            tail = (tail + [line])[-60:]
+            if log:
+                log.write(line)
+                log.flush()
+        proc.wait()
+    finally:
+        if log:
+            log.close()
     sys.stderr.write("".join(tail))
     raise SystemExit(f"error: the {engine} engine failed (exit {proc.returncode}); its last lines are above")
 
@@ -278,10 +292,12 @@ def main(argv=None):
     print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({total} requests), prompts ~"
           f"{args.prompt_len} tokens, responses <= {args.max_response}; engines {args.engines}", flush=True)
     results, rounds, engines = {}, [], args.engines.split(",")
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
     if args.profile:
         for engine in engines:
             t = time.time()
-            r = results[engine] = run_engine(args, engine)
+            r = results[engine] = run_engine(args, engine, f"{engine}-profile")
             r["wall_s"] = time.time() - t
             print_profile(engine, r)
     for i in range(0 if args.profile else args.rounds):
@@ -289,7 +305,7 @@ def main(argv=None):
         for engine in engines if i % 2 == 0 else engines[::-1]:   # ABBA: drift hits both alike
             t = time.time()
             with GpuSampler() as gpu:
-                r = this[engine] = run_engine(args, engine)
+                r = this[engine] = run_engine(args, engine, f"{engine}-{i + 1}")
             r["wall_s"], r["gpu"], r["batch_s"] = time.time() - t, gpu.summary(), statistics.median(r["seconds"])
             g = r["gpu"]
             print(f"[bench_vllm_gpu] round {i + 1}/{args.rounds} {engine}: engine up in {r['engine_start_s']:.1f}s; "

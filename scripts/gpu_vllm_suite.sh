@@ -49,12 +49,13 @@ for step in "${steps[@]}"; do
             2>&1 | tee "$out/check_stock.log" ;;
     bench)
         run bench python3 benchmarks/bench_vllm_gpu.py --model "$model" --rounds "${GPU_VLLM_ROUNDS:-2}" \
-            --json "$out/bench.json" ;;
+            --json "$out/bench.json" --logs "$out/bench_logs" ;;
     long)
         run long python3 benchmarks/bench_vllm_gpu.py --model "$model" --prompts 8 --max-response 16384 \
-            --json "$out/long.json" ;;
+            --json "$out/long.json" --logs "$out/long_logs" ;;
     profile)
-        run profile python3 benchmarks/bench_vllm_gpu.py --model "$model" --profile --json "$out/profile.json" ;;
+        run profile python3 benchmarks/bench_vllm_gpu.py --model "$model" --profile --json "$out/profile.json" \
+            --logs "$out/profile_logs" ;;
     esac
 done
 exit $rc

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_vllm_gpu.py"
 _spec = importlib.util.spec_from_file_location("bench_vllm_gpu", SCRIPT)
@@ -31,14 +33,14 @@ def test_rounds_interleave_engines_and_pool_every_timed_generate(tmp_path, monke
     times = {"stock": iter([[30.0, 31.0], [34.0, 36.0]]), "plugin": iter([[40.0, 42.0], [32.0, 33.0]])}
     order = []
 
-    def fake_engine(args, engine):
-        order.append(engine)
+    def fake_engine(args, engine, name):
+        order.append((engine, name))
         return {"engine": engine, "engine_start_s": 20.0, "seconds": next(times[engine]), "tokens": 1000}
 
     monkeypatch.setattr(bench, "run_engine", fake_engine)
     out = tmp_path / "b.json"
     bench.main(["--model", str(tmp_path), "--rounds", "2", "--repeats", "2", "--json", str(out)])
-    assert order == ["stock", "plugin", "plugin", "stock"]          # ABBA
+    assert order == [("stock", "stock-1"), ("plugin", "plugin-1"), ("plugin", "plugin-2"), ("stock", "stock-2")]  # ABBA
     doc = json.loads(out.read_text())
     stock, plugin = doc["results"]["stock"], doc["results"]["plugin"]
     assert stock["seconds"] == [30.0, 31.0, 34.0, 36.0] and stock["batch_s"] == 32.5
@@ -77,10 +79,29 @@ def test_step_times_bucket_by_unfinished_requests_and_pool_over_rounds(tmp_path,
     (tmp_path / "config.json").write_text("{}")
     per = {"stock": iter([{"<=8": [2.0, 100], ">256": [10.0, 50]}, {"<=8": [4.0, 100], ">256": [12.0, 50]}]),
            "plugin": iter([{"<=8": [4.0, 100], ">256": [11.0, 50]}, {"<=8": [4.0, 100], ">256": [11.0, 50]}])}
-    monkeypatch.setattr(bench, "run_engine", lambda args, engine: {
+    monkeypatch.setattr(bench, "run_engine", lambda args, engine, name: {
         "engine": engine, "engine_start_s": 1.0, "seconds": [30.0], "tokens": 1000, "steps": next(per[engine])})
     out = tmp_path / "b.json"
     bench.main(["--model", str(tmp_path), "--rounds", "2", "--json", str(out)])
     assert json.loads(out.read_text())["results"]["stock"]["steps"] == {"<=8": [3.0, 100], ">256": [11.0, 50]}
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert ["<=8", "3.00", "4.00", "0.750", "100"] in rows and [">256", "11.00", "11.00", "1.000", "50"] in rows
+
+
+def test_each_engine_process_leaves_its_whole_output_under_logs(tmp_path, monkeypatch):
+    class Child:   # an engine process: two lines, then (or not) its result
+        def __init__(self, lines):
+            self.stdout, self.returncode = iter(lines), 1
+
+        def wait(self):
+            return self.returncode
+    lines = ["compiling\n", "capturing\n", '@@result {"engine": "stock"}\n']
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: Child(lines))
+    (tmp_path / "config.json").write_text("{}")
+    args = bench.parse_args(["--model", str(tmp_path), "--logs", str(tmp_path)])
+    assert bench.run_engine(args, "stock", "stock-1") == {"engine": "stock"}
+    assert (tmp_path / "stock-1.log").read_text() == "compiling\ncapturing\n"
+    lines = lines[:2]                                   # killed before its result: the log still has it
+    with pytest.raises(SystemExit, match="the plugin engine failed"):
+        bench.run_engine(args, "plugin", "plugin-1")
+    assert (tmp_path / "plugin-1.log").read_text() == "compiling\ncapturing\n"
