@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 ENGINES = ("stock", "plugin")
+EXIT_GRACE_S = 60          # an engine process that has sent its result and not exited by then is killed
 PROFILE_TAIL = (8, 512)    # --profile's second batch: the rollout's tail, few sequences decoding long
 
 
@@ -114,9 +115,10 @@ class StepTimes:
     BUCKETS = ((8, "<=8"), (64, "9-64"), (256, "65-256"), (math.inf, ">256"))
 
     def __init__(self, engine):
-        self.spent = {}
+        self.spent, self.engine = {}, None
         if not hasattr(engine, "get_num_unfinished_requests"):
             return
+        self.engine = engine
         inner = engine.step
 
         def step():
@@ -129,6 +131,11 @@ class StepTimes:
                 cell[0] += time.perf_counter() - t
                 cell[1] += 1
         engine.step = step
+
+    def close(self):
+        """Unwrap step(): the wrapper refers to the engine, a cycle that outlives the timed runs."""
+        if self.engine is not None:
+            vars(self.engine).pop("step", None)
 
     def summary(self, generates):
         """{bucket: [seconds, steps] per timed generate}, buckets in BUCKETS order."""
@@ -164,6 +171,7 @@ def run_child(args):
         result["seconds"].append(time.perf_counter() - t)
         print(f"[{args.child}] generate {len(result['seconds'])}: {result['seconds'][-1]:.2f} s", flush=True)
     result["steps"] = steps.summary(max(len(result["seconds"]), 1))
+    steps.close()
     print("@@result " + json.dumps(result), flush=True)
 
 
@@ -261,9 +269,11 @@ def run_engine(args, engine, name=None):
     try:
         for line in proc.stdout:
             if line.startswith("@@result "):
-                proc.wait()
+                _reap(proc)
                 return json.loads(line[len("@@result "):])
             tail = (tail + [line])[-60:]
+            if line.startswith(f"[{engine}] "):    # the child's progress: where a slow start stands
+                print(line, end="", flush=True)
             if log:
                 log.write(line)
                 log.flush()
@@ -273,6 +283,19 @@ def run_engine(args, engine, name=None):
             log.close()
     sys.stderr.write("".join(tail))
     raise SystemExit(f"error: the {engine} engine failed (exit {proc.returncode}); its last lines are above")
+
+
+def _reap(proc):
+    """Wait for an engine process that has sent its result; kill it past EXIT_GRACE_S (2026-12-04,
+    H200: both engines' processes stayed alive after their result, and the round waited on them
+    until the call's limit)."""
+    try:
+        proc.wait(timeout=EXIT_GRACE_S)
+    except subprocess.TimeoutExpired:
+        print(f"[bench_vllm_gpu] the engine process did not exit {EXIT_GRACE_S} s after its result: killed",
+              flush=True)
+        proc.kill()
+        proc.wait()
 
 
 def _pooled_steps(per_round):

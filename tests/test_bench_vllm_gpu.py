@@ -74,6 +74,8 @@ def test_step_times_bucket_by_unfinished_requests_and_pool_over_rounds(tmp_path,
     summary = steps.summary(generates=1)
     assert list(summary) == ["<=8", "9-64", "65-256", ">256"]
     assert [n for _, n in summary.values()] == [2, 1, 1, 1]
+    steps.close()                                                # the engine's own step() again
+    assert "step" not in vars(engine) and engine.step.__func__ is Engine.step
     assert bench.StepTimes(object()).summary(1) == {}            # an engine without the count: left alone
 
     (tmp_path / "config.json").write_text("{}")
@@ -88,20 +90,40 @@ def test_step_times_bucket_by_unfinished_requests_and_pool_over_rounds(tmp_path,
     assert ["<=8", "3.00", "4.00", "0.750", "100"] in rows and [">256", "11.00", "11.00", "1.000", "50"] in rows
 
 
-def test_each_engine_process_leaves_its_whole_output_under_logs(tmp_path, monkeypatch):
+def test_each_engine_process_leaves_its_whole_output_under_logs(tmp_path, monkeypatch, capsys):
     class Child:   # an engine process: two lines, then (or not) its result
         def __init__(self, lines):
             self.stdout, self.returncode = iter(lines), 1
 
-        def wait(self):
+        def wait(self, timeout=None):
             return self.returncode
-    lines = ["compiling\n", "capturing\n", '@@result {"engine": "stock"}\n']
+    lines = ["compiling\n", "[stock] engine up in 9.0 s; warm-up\n", '@@result {"engine": "stock"}\n']
     monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: Child(lines))
     (tmp_path / "config.json").write_text("{}")
     args = bench.parse_args(["--model", str(tmp_path), "--logs", str(tmp_path)])
     assert bench.run_engine(args, "stock", "stock-1") == {"engine": "stock"}
-    assert (tmp_path / "stock-1.log").read_text() == "compiling\ncapturing\n"
+    assert (tmp_path / "stock-1.log").read_text() == "compiling\n[stock] engine up in 9.0 s; warm-up\n"
+    assert capsys.readouterr().out == "[stock] engine up in 9.0 s; warm-up\n"     # progress, not vLLM's log
     lines = lines[:2]                                   # killed before its result: the log still has it
     with pytest.raises(SystemExit, match="the plugin engine failed"):
         bench.run_engine(args, "plugin", "plugin-1")
-    assert (tmp_path / "plugin-1.log").read_text() == "compiling\ncapturing\n"
+    assert (tmp_path / "plugin-1.log").read_text() == "compiling\n[stock] engine up in 9.0 s; warm-up\n"
+
+
+def test_an_engine_process_that_does_not_exit_after_its_result_is_killed(tmp_path, monkeypatch, capsys):
+    """The result counts; a process still alive EXIT_GRACE_S after it is killed, not waited on."""
+    class Child:
+        stdout, killed = iter(['@@result {"engine": "plugin"}\n']), False
+
+        def wait(self, timeout=None):
+            if not self.killed:
+                raise subprocess.TimeoutExpired("engine", timeout)
+            return -9
+
+        def kill(self):
+            self.killed = True
+    child = Child()
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: child)
+    (tmp_path / "config.json").write_text("{}")
+    assert bench.run_engine(bench.parse_args(["--model", str(tmp_path)]), "plugin") == {"engine": "plugin"}
+    assert child.killed and "did not exit" in capsys.readouterr().out

@@ -1,9 +1,12 @@
 """python -m consistent_ops.probe on the reference backend: every invariance holds (exit 0),
-and a batch-dependent op makes it exit 1 (the probe sees differences)."""
+and a batch-dependent op makes it exit 1 (the probe sees differences); `--digest` prints the same
+bits on every CPU kind."""
+import os
 import subprocess
+import sys
 
 import consistent_ops as co
-from consistent_ops import probe
+from consistent_ops import contract, probe
 from readme import readme_command
 
 
@@ -27,3 +30,25 @@ def test_probe_fails_on_a_batch_dependent_op(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert [ln for ln in out.splitlines() if "DIFFERS" in ln] == [
         ln for ln in out.splitlines() if ln.startswith("rms_norm ")]
+
+
+# Measured 2026-12-04 on two CPU kinds: an AVX2 AMD EPYC (bf16 pairs in the C emulation, torch 2.13)
+# and the H200 host's Intel Xeon (AVX-512 + VDPBF16PS, torch 2.11): the same lines.
+DIGESTS = {
+    "bf16": {"linear": "04d4656c9c2472b4", "add_rms_norm": "8c9bf3c07046132c", "attention_varlen": "eb66ce31dca6514b",
+             "mlp": "fac2942aa4203ebe", "log_softmax": "c96d723c44807a5e"},
+    "fp32": {"linear": "aec6decb333400ea", "add_rms_norm": "e42336c554a833e9", "attention_varlen": "eb66ce31dca6514b",
+             "mlp": "f83adb4db2bb28fd", "log_softmax": "c96d723c44807a5e"}}
+
+
+def test_digests_are_the_same_on_every_cpu_kind_and_differ_by_realisation():
+    """`--digest` on this CPU == the digests of two other CPU kinds, per realisation; the two
+    realisations' GEMMs differ (the digest sees bits)."""
+    for realisation, want in DIGESTS.items():
+        res = subprocess.run([sys.executable, "-m", "consistent_ops.probe", "--digest"], capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "CONSISTENT_OPS_BACKEND": "reference",
+                                                          contract.CPU_ACCUMULATION_ENV: realisation})
+        assert res.returncode == 0, res.stderr
+        got = dict(line.split() for line in res.stdout.splitlines()[1:])
+        assert got == want, realisation
+    assert DIGESTS["bf16"]["linear"] != DIGESTS["fp32"]["linear"]

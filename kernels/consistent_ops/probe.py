@@ -8,6 +8,7 @@ T 0.7. It prints a table and exits 1 on any difference (max |Δ| != 0). It is wh
 runs once on a new device (an Ascend NPU: CONSISTENT_OPS_BACKEND=ascend) before a job.
 """
 import argparse
+import hashlib
 import math
 import os
 import sys
@@ -163,9 +164,31 @@ def battery(seed=0):
             yield from part
 
 
+def digests(seed=0):
+    """(op, sha256 prefix of its output's bytes) on seeded inputs: the same fingerprint on two
+    machines (two CPU kinds, say) must print the same lines: the bits do not depend on the ISA."""
+    dev = co.backend_device()
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: _rand(g, *shape, scale=0.5, dev=dev)
+    x, w, res, nw = r(37, 1024), r(512, 1024), r(37, 512), r(512)
+    q, k, v = r(40, 4, 64), r(40, 2, 64), r(40, 2, 64)
+    gate, up, down = r(256, 512), r(256, 512), r(512, 256)
+    logits = r(5, 1000).float()
+    with torch.no_grad():
+        y = co.linear(x, w)
+        outs = {"linear": y, "add_rms_norm": co.add_rms_norm(y, res, nw, 1e-6)[0],
+                "attention_varlen": co.attention_varlen(q, k, v, torch.tensor([0, 13, 40], dtype=torch.int32, device=dev)),
+                "mlp": co.mlp(res, gate, up, down), "log_softmax": co.log_softmax(logits, temperature=0.7)}
+    for op, t in outs.items():
+        if t is not None:      # None: a fused call the backend does not have
+            yield op, hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m consistent_ops.probe", description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--digest", action="store_true", help="print each op's output digest on seeded inputs "
+                    "instead (compare two machines: same fingerprint, same lines)")
     args = ap.parse_args(argv)
     try:
         co.set_backend()
@@ -173,6 +196,10 @@ def main(argv=None):
         print(f"consistent_ops.probe: {e}", file=sys.stderr)
         return 2
     print(f"backend {co.backend_name()}  contract {co.contract_fingerprint()}")
+    if args.digest:
+        for op, digest in digests(args.seed):
+            print(f"{op:<18} {digest}")
+        return 0
     rows = list(battery(args.seed))
     width = max(len(op) for op, _, _ in rows)
     print(f"{'op':<{width}}  {'check':<30} {'max|Δ|':>10}  result")

@@ -134,13 +134,22 @@ def contract_logprobs(logits: torch.Tensor, temperatures: torch.Tensor, vocab_li
     return co.log_softmax(logits, temperatures, vocab_limit, cut)
 
 
+def to_device(values, dtype, device) -> torch.Tensor:
+    """A host list on ``device`` without a stream sync: a CUDA copy goes from fresh pinned memory,
+    non-blocking (torch.tensor(..., device=cuda) waits for every kernel queued before it, which
+    stalls vLLM's async scheduling at each step that builds rows; the caching host allocator
+    keeps the pinned block until the copy is done)."""
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def truncation_columns(settings: list, device) -> tuple | None:
     """[(k, p, min_p) per row] -> the per-row tensors truncate_logprobs takes (None: all off)."""
     if not any(co.truncation_active(*s) for s in settings):
         return None
     k, p, mp = zip(*settings)
-    return (torch.tensor(k, dtype=torch.int64, device=device), torch.tensor(p, dtype=torch.float64, device=device),
-            torch.tensor(mp, dtype=torch.float32, device=device))
+    return to_device(k, torch.int64, device), to_device(p, torch.float64, device), to_device(mp, torch.float32, device)
 
 
 class ContractLogProbs(LogitsProcessor):
@@ -176,7 +185,7 @@ class ContractLogProbs(LogitsProcessor):
         """Per-row T and truncation tensors, built again only when the batch changed: a decode
         step of an unchanged batch runs no Python over its rows and copies nothing to the device."""
         if self.rows is None or self.rows[0] != n:
-            t = torch.tensor([self.temperature.get(i, 1.0) for i in range(n)], dtype=torch.float32, device=device)
+            t = to_device([self.temperature.get(i, 1.0) for i in range(n)], torch.float32, device)
             self.rows = (n, t, truncation_columns([self.truncation.get(i, truncation.OFF) for i in range(n)], device))
         return self.rows[1:]
 
@@ -187,10 +196,8 @@ class ContractLogProbs(LogitsProcessor):
             return logp
         rows = range(logits.shape[0])
         entries = [self.seeded.get(i) for i in rows]
-        keys = torch.tensor([e[0] if e else [0] * scheme.SEED_WORDS for e in entries], dtype=torch.int64,
-                            device=logits.device)
+        keys = to_device([e[0] if e else [0] * scheme.SEED_WORDS for e in entries], torch.int64, logits.device)
         # the drawn token's index in the whole sequence (prompt + response so far)
-        positions = torch.tensor([e[1] + len(e[2]) if e else 0 for e in entries], dtype=torch.int64,
-                                 device=logits.device)
-        seeded = torch.tensor([e is not None for e in entries], device=logits.device)
+        positions = to_device([e[1] + len(e[2]) if e else 0 for e in entries], torch.int64, logits.device)
+        seeded = to_device([e is not None for e in entries], torch.bool, logits.device)
         return seeded_draw.pin(logp, keys, positions, seeded)
