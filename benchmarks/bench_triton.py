@@ -431,8 +431,12 @@ def probe_decode_split():
     unsplit; bits against the default launch."""
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
+    # a decode tile of 64 rows holds 8 tokens of one sequence's 8 query heads a KV head: 7 of them
+    # empty at decode, so the 16- and 32-row tiles ask whether a smaller MMA shortens the serial walk
     variants = {"default": {}, "unsplit": dict(split=False), "stages 2": dict(tile=(64, 4, 2)),
-                "stages 4": dict(tile=(64, 4, 4)), "warps 8": dict(tile=(64, 8, 3))}
+                "stages 4": dict(tile=(64, 4, 4)), "warps 8": dict(tile=(64, 8, 3)),
+                "rows 32": dict(tile=(32, 4, 3)), "rows 16": dict(tile=(16, 4, 3)),
+                "rows 16 warps 2": dict(tile=(16, 2, 3))}
     for page in (16, 32):
         for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768)):
             for width in (ctx, 40960):
