@@ -93,6 +93,9 @@ mkdir -p "$out"
          "ISA flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx2|avx512f|avx512_vnni|avx512_bf16|amx_tile|amx_bf16' | tr '\n' ' ')"
     echo "[h200_cpu_bench] taskset -c $cpus (threads per core $(lscpu 2>/dev/null | sed -n 's/^Thread(s) per core: *//p'));" \
          "VLLM_CPU_OMP_THREADS_BIND=$VLLM_CPU_OMP_THREADS_BIND; site $site (vllm from $(basename "$cpu_pack"), deps from $(basename "$dep_pack"))"
+    # stock vllm-cpu compiles its model with inductor (C++ by g++, or $CXX); the plugin's kernels take cc
+    echo "[h200_cpu_bench] compilers: g++ $(command -v "${CXX:-g++}" > /dev/null && "${CXX:-g++}" -dumpfullversion \
+         || echo 'MISSING (stock will fail to compile)'), cc $(command -v "${CC:-cc}" > /dev/null && "${CC:-cc}" -dumpfullversion || echo MISSING)"
 } | tee "$out/cpu.txt"
 # The composed process: vllm-cpu's CPU platform, its kernel library, the realisation the plugin picks.
 pin "$cpus" python3 - "$site" <<'EOF' 2>&1 | grep -v "^WARNING\|^INFO" | tee -a "$out/cpu.txt"
