@@ -32,9 +32,9 @@ _TINY = _T["tiny"]              # M <= 16: mma 16-row tiles, no padded rows read
 # before: 11.0 / 7.7 / 7.4), o_proj N 2048 "narrow" 9.4 / 9.3 / 9.0 (cuBLAS 7.4 / 7.1 / 6.8; a
 # 64-row tile before: 29.7 / 18.9 / 9.3), router N 128 5.4 (5.6-5.8 before); lm_head N 151,936
 # keeps "wide" (144-151 us, cuBLAS 150-154). Bits the same as the tile before in every case.
-# 2026-12-04 (same probe): "narrow" by pointer loads, o_proj 7.7 / 7.4 us at M 4 / 16 (9.4 / 9.1
-# by TMA; cuBLAS 7.2 / 7.1), router 4.6 (5.4; cuBLAS 4.9); "wide" by TMA, lm_head 140-144 us at
-# M 1 / 16 (146-156 by pointers; cuBLAS 144-149). Bits the same.
+# 2026-12-04: the probe preferred "narrow" by pointer loads (o_proj 7.7 vs 9.4 us at M 4, router 4.6
+# vs 5.4) and "wide" by TMA (lm_head 140 vs 156 at M 1), but in the 48-layer B=1 step the GEMMs
+# then averaged 9.5 us a launch against 8.9: kept as they are.
 _TINY_WIDE_N, _TINY_MID_N = 16384, 4096
 _NARROW = _T["narrow"]          # M <= 128: the widest BLOCK_N that still gives >= _MIN_PROGRAMS programs
 _MID_WIDE, _MID_TALL = _T["mid_wide"], _T["mid_tall"]   # M <= 512
