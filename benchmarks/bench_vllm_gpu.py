@@ -17,10 +17,18 @@ Reported: output tokens/s and the time to finish the batch (medians over every t
 all rounds), each round's plugin / stock, and plugin / stock of the medians; and the steps' wall
 time by how many requests were unfinished (the full batch vs its tail; StepTimes).
 
+--tail (issue 26: the rollout's tail, few sequences with long contexts, >= 0.9x stock): per
+TAIL_CASES case (B in 1/4/16, context 1k/8k/32k tokens), B distinct random prompts of exactly that
+many tokens, generated twice with the prefix cache reset before each: max_tokens=1 (the prefill)
+and 1 + TAIL_DECODE; a decode step is their difference / TAIL_DECODE. --repeats (default 3) times
+a case per process; reported per case: each engine's decode ms per step, decode tokens/s (B / step
+time), prefill time (medians over every repeat of all rounds) and stock ms / plugin ms.
+
     python3 benchmarks/bench_vllm_gpu.py --model DIR [--json out.json]
     python3 benchmarks/bench_vllm_gpu.py --model DIR --max-response 16384 --prompts 16
     python3 benchmarks/bench_vllm_gpu.py --model DIR --profile   # each engine's CUDA kernels, wall
                          # time and launches over the whole batch (128 tokens) and a tail (8 x 512)
+    python3 benchmarks/bench_vllm_gpu.py --model DIR --tail      # decode at B 1/4/16 x context 1k/8k/32k
 """
 import argparse
 import json
@@ -37,6 +45,11 @@ from pathlib import Path
 ENGINES = ("stock", "plugin")
 EXIT_GRACE_S = 60          # an engine process that has sent its result and not exited by then is killed
 PROFILE_TAIL = (8, 512)    # --profile's second batch: the rollout's tail, few sequences decoding long
+# --tail's cases (B sequences, context tokens each), its decode steps and goal (issue 26)
+TAIL_CASES = ((1, 1024), (4, 1024), (16, 1024), (1, 8192), (4, 8192), (16, 8192),
+              (1, 32768), (4, 32768), (16, 32768))
+TAIL_DECODE = 256
+TAIL_GOAL = 0.9
 
 
 def parse_args(argv=None):
@@ -46,25 +59,35 @@ def parse_args(argv=None):
     p.add_argument("--n", type=int, default=8, help="samples per prompt (separate requests)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-response", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=1, help="timed generates per engine process")
+    p.add_argument("--repeats", type=int, help="timed generates per engine process (default 1; "
+                   "--tail: 3 per case)")
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved")
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--profile", action="store_true", help="instead of timing: each engine's top CUDA "
                    "kernels, wall time and launches (torch profiler, engine in-process) over --prompts x --n "
                    "requests of 128 tokens, then over a tail of 8 of them generating 512 tokens")
+    p.add_argument("--tail", action="store_true", help="instead of the batch: decode ms per step at B "
+                   "1/4/16 and contexts 1k/8k/32k (TAIL_CASES; --prompts, --n, --prompt-len, --max-response unused)")
     p.add_argument("--json")
     p.add_argument("--logs", help="a folder: each engine process's whole output, written as it runs "
                    "(<engine>-<n>.log; what a killed run leaves to read)")
     p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.repeats is None:
+        a.repeats = 3 if a.tail else 1
     bad = [f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
            if k in ("prompts", "n", "prompt_len", "max_response", "repeats", "rounds") and v < 1]
-    if bad or not Path(a.model, "config.json").is_file():
-        print(f"error: {', '.join(bad) or f'--model {a.model}: no config.json'}: "
-              f"{'use 1 or more' if bad else 'pass a HF checkpoint directory'}", file=sys.stderr)
-        raise SystemExit(2)
-    return a
+    if bad:
+        problem = f"{', '.join(bad)}: use 1 or more"
+    elif a.tail and a.profile:
+        problem = "--tail with --profile: run them separately"
+    elif not Path(a.model, "config.json").is_file():
+        problem = f"--model {a.model}: no config.json: pass a HF checkpoint directory"
+    else:
+        return a
+    print(f"error: {problem}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def workload(args, vocab):
@@ -77,6 +100,17 @@ def workload(args, vocab):
             length = math.exp(rng.gauss(math.log(args.max_response / 4), 0.8))
             out.append((prompt, max(16, min(args.max_response, round(length)))))
     return out
+
+
+def tail_prompts(b, ctx, vocab):
+    """b distinct random prompts of exactly ctx token ids, the same in every process (seeded)."""
+    rng = random.Random(f"tail {b} {ctx}")
+    return [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(b)]
+
+
+def decode_ms(short_s, long_s):
+    """ms per decode step: the 1 + TAIL_DECODE token generate less the prefill-only one."""
+    return (long_s - short_s) / TAIL_DECODE * 1e3
 
 
 # ----------------------------------------------------------------------------- child: one engine
@@ -105,6 +139,15 @@ def generate(llm, engine, work):
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     outs = llm.generate(prompts, [params_for(engine, n) for _, n in work], use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def timed(llm, engine, work):
+    """(seconds, output tokens) of one generate, the prefix cache reset first: every timed
+    generate prefills all of its prompts."""
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    tokens = generate(llm, engine, work)
+    return time.perf_counter() - t, tokens
 
 
 class StepTimes:
@@ -147,32 +190,63 @@ def run_child(args):
     from transformers import AutoTokenizer
     vocab = len(AutoTokenizer.from_pretrained(args.model))
     t0 = time.perf_counter()
-    if args.profile:
-        work = [(p, 128) for p, _ in workload(args, vocab)]
+    if args.tail:
+        # warm-up: the smallest case end to end (compilation, autotuning)
+        warm = [(p, 1 + TAIL_DECODE) for p in tail_prompts(*TAIL_CASES[0], vocab)]
+        longest = max(ctx for _, ctx in TAIL_CASES) + 1 + TAIL_DECODE
     else:
         work = workload(args, vocab)
-    longest = max(len(p) + max(n, PROFILE_TAIL[1] if args.profile else 0) for p, n in work)
+        if args.profile:
+            work = [(p, 128) for p, _ in work]
+        # warm-up: every request for 32 tokens, so Triton compiles and autotunes what the batch's
+        # shapes need (decode at every batch size down from the whole batch) before the clock runs
+        warm = [(p, 32) for p, _ in work]
+        longest = max(len(p) + max(n, PROFILE_TAIL[1] if args.profile else 0) for p, n in work)
     llm = build_llm(args, args.child, longest + 16)
     start_s = time.perf_counter() - t0
-    # warm-up: every request for 32 tokens, so Triton compiles and autotunes what the batch's
-    # shapes need (decode at every batch size down from the whole batch) before the clock runs
     print(f"[{args.child}] engine up in {start_s:.1f} s; warm-up", flush=True)
-    generate(llm, args.child, [(p, 32) for p, _ in work])
+    generate(llm, args.child, warm)
     print(f"[{args.child}] warm-up done at {time.perf_counter() - t0:.1f} s", flush=True)
-    result = {"engine": args.child, "engine_start_s": start_s, "seconds": [], "tokens": 0}
+    result = {"engine": args.child, "engine_start_s": start_s}
+    if args.tail:
+        result["cases"] = time_tail(llm, args.child, args.repeats, vocab)
+    else:
+        result.update(time_batch(llm, args, work))
+    print("@@result " + json.dumps(result), flush=True)
+
+
+def time_batch(llm, args, work):
+    """--repeats timed generates of the whole batch (or, with --profile, its two profiles)."""
+    result = {"seconds": [], "tokens": 0}
     if args.profile:
         result["kernels"] = profile(llm, args.child, work)
         result["tail"] = profile(llm, args.child, [(p, PROFILE_TAIL[1]) for p, _ in work[:PROFILE_TAIL[0]]])
     steps = StepTimes(llm.llm_engine)
     for _ in range(0 if args.profile else args.repeats):
-        llm.reset_prefix_cache()
-        t = time.perf_counter()
-        result["tokens"] = generate(llm, args.child, work)
-        result["seconds"].append(time.perf_counter() - t)
-        print(f"[{args.child}] generate {len(result['seconds'])}: {result['seconds'][-1]:.2f} s", flush=True)
+        seconds, result["tokens"] = timed(llm, args.child, work)
+        result["seconds"].append(seconds)
+        print(f"[{args.child}] generate {len(result['seconds'])}: {seconds:.2f} s", flush=True)
     result["steps"] = steps.summary(max(len(result["seconds"]), 1))
     steps.close()
-    print("@@result " + json.dumps(result), flush=True)
+    return result
+
+
+def time_tail(llm, engine, repeats, vocab):
+    """Per TAIL_CASES case, `repeats` times: the prefill-only generate's seconds and the decode
+    ms per step (decode_ms), both generates over the same prompts from a reset prefix cache."""
+    cases = []
+    for b, ctx in TAIL_CASES:
+        prompts = tail_prompts(b, ctx, vocab)
+        case = {"b": b, "ctx": ctx, "prefill_s": [], "decode_ms": []}
+        for i in range(repeats):
+            short, _ = timed(llm, engine, [(p, 1) for p in prompts])
+            long, _ = timed(llm, engine, [(p, 1 + TAIL_DECODE) for p in prompts])
+            case["prefill_s"].append(short)
+            case["decode_ms"].append(decode_ms(short, long))
+            print(f"[{engine}] tail B={b} context={ctx} repeat {i + 1}/{repeats}: prefill {short:.3f} s, "
+                  f"decode {case['decode_ms'][-1]:.3f} ms/step", flush=True)
+        cases.append(case)
+    return cases
 
 
 def profile(llm, engine, work, rows=20):
@@ -181,11 +255,8 @@ def profile(llm, engine, work, rows=20):
     time means host-bound steps; graph launches say whether the steps replayed CUDA graphs."""
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    llm.reset_prefix_cache()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t = time.perf_counter()
-        generate(llm, engine, work)
-        wall_ms = (time.perf_counter() - t) * 1e3
+        wall_ms = timed(llm, engine, work)[0] * 1e3
     events = prof.key_averages()
     kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.self_device_time_total, reverse=True)
@@ -260,8 +331,9 @@ def run_engine(args, engine, name=None):
     env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
     if args.profile:            # engine core in this process, so the profiler sees its kernels
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("json", "child", "profile", "engines", "rounds", "logs")] + (["--profile"] if args.profile else [])
+    # the child's own settings; a flag (--profile, --tail) only when set
+    argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
+            if k not in ("json", "child", "engines", "rounds", "logs") and v is not False]
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", engine], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     tail = []
@@ -305,66 +377,148 @@ def _pooled_steps(per_round):
     return {name: [sum(r.get(name, [0.0, 0])[i] for r in rounds) / len(rounds) for i in (0, 1)] for name in names}
 
 
+def _gpu_text(g):
+    return (f"; GPU SM clock median {g['sm_mhz_median']:.0f} MHz (min {g['sm_mhz_min']:.0f}), power "
+            f"{g['power_w_median']:.0f} W, up to {g['temp_c_max']:.0f} C" if g else "")
+
+
+def run_rounds(args, engines, note):
+    """--rounds fresh processes of each engine in ABBA order (drift hits both alike) -> [{engine:
+    its result, wall time and GPU samples}]; note(result) adds that mode's medians and says them."""
+    rounds = []
+    for i in range(args.rounds):
+        this = {}
+        for engine in engines if i % 2 == 0 else engines[::-1]:
+            t = time.time()
+            with GpuSampler() as gpu:
+                r = this[engine] = run_engine(args, engine, f"{engine}-{i + 1}")
+            r["wall_s"], r["gpu"] = time.time() - t, gpu.summary()
+            print(f"[bench_vllm_gpu] round {i + 1}/{args.rounds} {engine}: engine up in {r['engine_start_s']:.1f}s; "
+                  f"{note(r)}{_gpu_text(r['gpu'])}", flush=True)
+        rounds.append(this)
+    return rounds
+
+
+def _batch_note(r):
+    r["batch_s"] = statistics.median(r["seconds"])
+    return (f"{r['tokens']} output tokens in {r['batch_s']:.2f}s ({', '.join(f'{s:.2f}' for s in r['seconds'])})"
+            f": {r['tokens'] / r['batch_s']:.0f} tokens/s")
+
+
+def _tail_note(r):
+    return "decode ms/step " + ", ".join(f"B={c['b']} {c['ctx'] // 1024}k {statistics.median(c['decode_ms']):.3f}"
+                                         for c in r["cases"])
+
+
+def _pooled_batch(runs):
+    """One engine's rounds of the batch -> every timed generate pooled, their median, tokens/s."""
+    seconds = [s for r in runs for s in r["seconds"]]
+    batch_s = statistics.median(seconds)
+    return {"tokens": runs[0]["tokens"], "seconds": seconds, "batch_s": batch_s,
+            "steps": _pooled_steps([r.get("steps", {}) for r in runs]), "tokens_per_s": runs[0]["tokens"] / batch_s}
+
+
+def tail_summary(rounds, engines):
+    """Per TAIL_CASES case: each engine's medians over every repeat of all rounds and, with both
+    engines, the plugin's decode speed against stock's (stock ms / plugin ms; > 1: the plugin is
+    faster), pooled and per round."""
+    cases = []
+    for k, (b, ctx) in enumerate(TAIL_CASES):
+        row = {"b": b, "ctx": ctx}
+        for engine in engines:
+            runs = [r[engine]["cases"][k] for r in rounds]
+            ms = statistics.median(x for c in runs for x in c["decode_ms"])
+            row[engine] = {"decode_ms": ms, "decode_tokens_per_s": b * 1e3 / ms,
+                           "prefill_s": statistics.median(x for c in runs for x in c["prefill_s"])}
+        if {"stock", "plugin"} <= set(engines):
+            row["plugin_speed"] = row["stock"]["decode_ms"] / row["plugin"]["decode_ms"]
+            row["plugin_speed_per_round"] = [statistics.median(r["stock"]["cases"][k]["decode_ms"])
+                                             / statistics.median(r["plugin"]["cases"][k]["decode_ms"]) for r in rounds]
+        cases.append(row)
+    return {"decode_steps": TAIL_DECODE, "goal": TAIL_GOAL, "cases": cases}
+
+
+def print_tail(tail, engines):
+    cases = tail["cases"]
+    both = "plugin_speed" in cases[0]
+    cols = ["B", "context"] + [f"{e} {what}" for what in ("ms/step", "tok/s", "prefill s") for e in engines]
+    cols += ["plugin x stock", "per round"] if both else []
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for row in cases:
+        cells = [str(row["b"]), f"{row['ctx']:,}"] + [
+            f"{row[e][key]:{form}}" for key, form in (("decode_ms", ".3f"), ("decode_tokens_per_s", ",.0f"),
+                                                      ("prefill_s", ".3f")) for e in engines]
+        if both:
+            cells += [f"{row['plugin_speed']:.3f}", ", ".join(f"{x:.3f}" for x in row["plugin_speed_per_round"])]
+        print("| " + " | ".join(cells) + " |")
+    if both:
+        worst = min(cases, key=lambda row: row["plugin_speed"])
+        met = sum(row["plugin_speed"] >= tail["goal"] for row in cases)
+        print(f"\nplugin x stock: stock ms / plugin ms (> 1: the plugin decodes faster); goal >= {tail['goal']} at "
+              f"every B and context (issue 26): {met} of {len(cases)} cases; lowest {worst['plugin_speed']:.3f} "
+              f"(B={worst['b']}, context {worst['ctx']:,})")
+
+
+def print_batch(results, rounds):
+    if "stock" not in results:
+        return
+    base = results["stock"]
+    if len(rounds) > 1 and "plugin" in results:
+        print("per round, plugin / stock: " + ", ".join(
+            f"{r['stock']['batch_s'] / r['plugin']['batch_s']:.3f}" for r in rounds))
+    print(f"\n{'engine':<8}{'output tok/s':>14}{'batch s':>10}{'vs stock':>10}")
+    for engine, r in results.items():
+        print(f"{engine:<8}{r['tokens_per_s']:>14.0f}{r['batch_s']:>10.2f}"
+              f"{r['tokens_per_s'] / base['tokens_per_s']:>10.3f}")
+    if "plugin" in results and base["steps"] and results["plugin"]["steps"]:
+        mine = results["plugin"]["steps"]
+        print(f"\n{'unfinished requests':<20}{'stock s':>9}{'plugin s':>10}{'stock / plugin':>16}{'steps':>8}")
+        for name, (sec, n) in base["steps"].items():
+            if name in mine:
+                print(f"{name:<20}{sec:>9.2f}{mine[name][0]:>10.2f}{sec / mine[name][0]:>16.3f}{n:>8.0f}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
         return run_child(args)
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    total = args.prompts * args.n
-    print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({total} requests), prompts ~"
-          f"{args.prompt_len} tokens, responses <= {args.max_response}; engines {args.engines}", flush=True)
-    results, rounds, engines = {}, [], args.engines.split(",")
+    engines = args.engines.split(",")
+    if args.tail:
+        print(f"[bench_vllm_gpu] {device}; decode tail: {len(TAIL_CASES)} cases (B, context) "
+              f"{', '.join(f'{b}x{ctx}' for b, ctx in TAIL_CASES)}, {TAIL_DECODE} decode steps, {args.repeats} "
+              f"repeats a process; engines {args.engines}", flush=True)
+    else:
+        print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({args.prompts * args.n} requests), "
+              f"prompts ~{args.prompt_len} tokens, responses <= {args.max_response}; engines {args.engines}",
+              flush=True)
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
+    results, rounds, extra = {}, [], {}
     if args.profile:
         for engine in engines:
             t = time.time()
             r = results[engine] = run_engine(args, engine, f"{engine}-profile")
             r["wall_s"] = time.time() - t
             print_profile(engine, r)
-    for i in range(0 if args.profile else args.rounds):
-        this = {}
-        for engine in engines if i % 2 == 0 else engines[::-1]:   # ABBA: drift hits both alike
-            t = time.time()
-            with GpuSampler() as gpu:
-                r = this[engine] = run_engine(args, engine, f"{engine}-{i + 1}")
-            r["wall_s"], r["gpu"], r["batch_s"] = time.time() - t, gpu.summary(), statistics.median(r["seconds"])
-            g = r["gpu"]
-            print(f"[bench_vllm_gpu] round {i + 1}/{args.rounds} {engine}: engine up in {r['engine_start_s']:.1f}s; "
-                  f"{r['tokens']} output tokens in {r['batch_s']:.2f}s ({', '.join(f'{s:.2f}' for s in r['seconds'])})"
-                  f": {r['tokens'] / r['batch_s']:.0f} tokens/s" + (
-                      f"; GPU SM clock median {g['sm_mhz_median']:.0f} MHz (min {g['sm_mhz_min']:.0f}), power "
-                      f"{g['power_w_median']:.0f} W, up to {g['temp_c_max']:.0f} C" if g else ""), flush=True)
-        rounds.append(this)
-    for engine in engines if rounds else ():
-        runs = [r[engine] for r in rounds]
-        results[engine] = {"engine": engine, "tokens": runs[0]["tokens"],
-                           "seconds": [s for r in runs for s in r["seconds"]],
-                           "engine_start_s": statistics.median(r["engine_start_s"] for r in runs),
-                           "wall_s": sum(r["wall_s"] for r in runs)}
-        results[engine]["batch_s"] = statistics.median(results[engine]["seconds"])
-        results[engine]["steps"] = _pooled_steps([r.get("steps", {}) for r in runs])
-        results[engine]["tokens_per_s"] = results[engine]["tokens"] / results[engine]["batch_s"]
-    if not args.profile and "stock" in results:
-        base = results["stock"]
-        if len(rounds) > 1 and "plugin" in results:
-            print("per round, plugin / stock: " + ", ".join(
-                f"{r['stock']['batch_s'] / r['plugin']['batch_s']:.3f}" for r in rounds))
-        print(f"\n{'engine':<8}{'output tok/s':>14}{'batch s':>10}{'vs stock':>10}")
-        for engine, r in results.items():
-            print(f"{engine:<8}{r['tokens_per_s']:>14.0f}{r['batch_s']:>10.2f}"
-                  f"{r['tokens_per_s'] / base['tokens_per_s']:>10.3f}")
-        if "plugin" in results and base["steps"] and results["plugin"]["steps"]:
-            mine = results["plugin"]["steps"]
-            print(f"\n{'unfinished requests':<20}{'stock s':>9}{'plugin s':>10}{'stock / plugin':>16}{'steps':>8}")
-            for name, (sec, n) in base["steps"].items():
-                if name in mine:
-                    print(f"{name:<20}{sec:>9.2f}{mine[name][0]:>10.2f}{sec / mine[name][0]:>16.3f}{n:>8.0f}")
+    else:
+        rounds = run_rounds(args, engines, _tail_note if args.tail else _batch_note)
+        for engine in engines:
+            runs = [r[engine] for r in rounds]
+            results[engine] = {"engine": engine, "engine_start_s": statistics.median(r["engine_start_s"] for r in runs),
+                               "wall_s": sum(r["wall_s"] for r in runs)}
+            if not args.tail:
+                results[engine].update(_pooled_batch(runs))
+        if args.tail:
+            extra["tail"] = tail_summary(rounds, engines)
+            print_tail(extra["tail"], engines)
+        else:
+            print_batch(results, rounds)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "date": time.strftime("%Y-%m-%d %H:%M"),
                                                "args": {k: v for k, v in vars(args).items() if k != "child"},
-                                               "results": results, "rounds": rounds}, indent=2) + "\n")
+                                               "results": results, "rounds": rounds, **extra}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,15 @@
 #           $GPU_VLLM_ROUNDS (default 2) interleaved rounds of fresh processes (~2.5 min a round warm)
 #   long    the same with long responses: 8 prompts x n=8, up to 16,384 tokens (estimated ~7 min)
 #   profile benchmarks/bench_vllm_gpu.py --profile: each engine's top CUDA kernels
+#   tail    benchmarks/bench_vllm_gpu.py --tail: decode ms per step at B 1/4/16 and contexts 1k/8k/32k,
+#           stock vs the plugin (issue 26: goal >= 0.9x stock in each case), $GPU_VLLM_ROUNDS (default 1)
+#           rounds (estimated ~5-8 min a round warm, ~8-10 cold: near a device call's 10-min limit)
 # Exit status: non-zero if a step failed or a plugin check found a difference.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=() out=${OUT:-outputs/gpu_vllm}
-for a in "$@"; do case $a in model|check|bench|long|profile) steps+=("$a") ;; *) out=$a ;; esac; done
-[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|long|profile ... [OUTDIR]" >&2; exit 2; }
+for a in "$@"; do case $a in model|check|bench|long|profile|tail) steps+=("$a") ;; *) out=$a ;; esac; done
+[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|long|profile|tail ... [OUTDIR]" >&2; exit 2; }
 mkdir -p "$out"
 if [ -f /tmp/h200_env.sh ]; then . /tmp/h200_env.sh; else export PYTHONPATH="recipe:kernels" PYTHONUNBUFFERED=1; fi
 model=${GPU_VLLM_MODEL:-/tmp/qwen3_30b_a3b_l${GPU_VLLM_LAYERS:-8}}
@@ -56,6 +59,9 @@ for step in "${steps[@]}"; do
     profile)
         run profile python3 benchmarks/bench_vllm_gpu.py --model "$model" --profile --json "$out/profile.json" \
             --logs "$out/profile_logs" ;;
+    tail)
+        run tail python3 benchmarks/bench_vllm_gpu.py --model "$model" --tail --rounds "${GPU_VLLM_ROUNDS:-1}" \
+            --json "$out/tail.json" --logs "$out/tail_logs" ;;
     esac
 done
 exit $rc

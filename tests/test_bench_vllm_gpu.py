@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -42,7 +43,9 @@ def test_rounds_interleave_engines_and_pool_every_timed_generate(tmp_path, monke
     bench.main(["--model", str(tmp_path), "--rounds", "2", "--repeats", "2", "--json", str(out)])
     assert order == [("stock", "stock-1"), ("plugin", "plugin-1"), ("plugin", "plugin-2"), ("stock", "stock-2")]  # ABBA
     doc = json.loads(out.read_text())
+    assert set(doc) == {"device", "date", "args", "results", "rounds"}          # --tail's key only with --tail
     stock, plugin = doc["results"]["stock"], doc["results"]["plugin"]
+    assert set(stock) == {"engine", "tokens", "seconds", "engine_start_s", "wall_s", "batch_s", "steps", "tokens_per_s"}
     assert stock["seconds"] == [30.0, 31.0, 34.0, 36.0] and stock["batch_s"] == 32.5
     assert plugin["batch_s"] == 36.5 and plugin["tokens_per_s"] == 1000 / 36.5
     assert [r["plugin"]["batch_s"] for r in doc["rounds"]] == [41.0, 32.5]
@@ -127,3 +130,134 @@ def test_an_engine_process_that_does_not_exit_after_its_result_is_killed(tmp_pat
     (tmp_path / "config.json").write_text("{}")
     assert bench.run_engine(bench.parse_args(["--model", str(tmp_path)]), "plugin") == {"engine": "plugin"}
     assert child.killed and "did not exit" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- --tail
+def test_tail_cases_prompts_and_decode_step_arithmetic(tmp_path):
+    assert bench.TAIL_CASES == tuple((b, ctx) for ctx in (1024, 8192, 32768) for b in (1, 4, 16))
+    assert bench.TAIL_DECODE == 256 and bench.TAIL_GOAL == 0.9
+    prompts = bench.tail_prompts(4, 1024, vocab=1000)
+    assert [len(p) for p in prompts] == [1024] * 4 and len({tuple(p) for p in prompts}) == 4
+    assert all(0 <= t < 1000 for p in prompts for t in p) and bench.tail_prompts(4, 1024, 1000) == prompts
+    assert bench.tail_prompts(1, 1024, 1000) != prompts[:1]          # each case its own prompts
+    assert bench.decode_ms(short_s=0.5, long_s=0.5 + 256 * 0.004) == pytest.approx(4.0)
+    (tmp_path / "config.json").write_text("{}")
+    assert bench.parse_args(["--model", str(tmp_path), "--tail"]).repeats == 3
+    assert bench.parse_args(["--model", str(tmp_path)]).repeats == 1
+    assert bench.parse_args(["--model", str(tmp_path), "--tail", "--repeats", "5"]).repeats == 5
+
+
+class _Clock:
+    now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_tail_child_warms_up_then_times_prefill_and_decode_per_case(tmp_path, monkeypatch, capsys):
+    """The engine process: model length for the longest case, one untimed warm-up on the smallest
+    case, then per case and repeat a prefill-only and a 1 + TAIL_DECODE generate, each from a reset
+    prefix cache; on a fake clock (prefill 1 us a token, decode 4 + 0.1 B ms a step)."""
+    clock, vocab = _Clock(), 5000
+
+    class LLM:
+        calls, fresh = [], False
+
+        def reset_prefix_cache(self):
+            self.fresh = True
+
+        def generate(self, prompts, params, use_tqdm):
+            ids = [p["prompt_token_ids"] for p in prompts]
+            (n,) = set(params)
+            assert len({tuple(p) for p in ids}) == len(ids) and max(max(p) for p in ids) < vocab
+            self.calls.append((len(ids), {len(p) for p in ids}, n, self.fresh))
+            clock.now += len(ids) * len(ids[0]) * 1e-6 + (n - 1) * (4 + 0.1 * len(ids)) * 1e-3
+            self.fresh = False
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * n)]) for _ in ids]
+    llm, lengths = LLM(), []
+    monkeypatch.setitem(sys.modules, "transformers", SimpleNamespace(
+        AutoTokenizer=SimpleNamespace(from_pretrained=lambda path: [None] * vocab)))
+    monkeypatch.setattr(bench, "build_llm", lambda args, engine, longest: lengths.append(longest) or llm)
+    monkeypatch.setattr(bench, "params_for", lambda engine, max_tokens: max_tokens)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    (tmp_path / "config.json").write_text("{}")
+    bench.run_child(bench.parse_args(["--model", str(tmp_path), "--tail", "--repeats", "2", "--child", "plugin"]))
+
+    assert lengths[0] >= 32768 + 1 + 256 and lengths[0] <= 40960       # the checkpoint's max_position_embeddings
+    assert llm.calls[0] == (1, {1024}, 257, False)                        # warm-up: untimed, smallest case
+    assert llm.calls[1:] == [(b, {ctx}, n, True) for b, ctx in bench.TAIL_CASES for _ in range(2) for n in (1, 257)]
+    out = capsys.readouterr().out.splitlines()
+    assert "[plugin] tail B=16 context=32768 repeat 2/2: prefill 0.524 s, decode 5.600 ms/step" in out
+    result = json.loads(out[-1].removeprefix("@@result "))
+    assert result["engine"] == "plugin" and [(c["b"], c["ctx"]) for c in result["cases"]] == list(bench.TAIL_CASES)
+    for case in result["cases"]:
+        assert case["prefill_s"] == pytest.approx([case["b"] * case["ctx"] * 1e-6] * 2)
+        assert case["decode_ms"] == pytest.approx([4 + 0.1 * case["b"]] * 2)
+
+
+def _tail_result(engine, i):
+    """Round i's fake engine: stock's decode ms [10, 12] + k + 4 i for case k; the plugin's
+    11 + k + i, but 1.5x that in the last case (B=16, 32k: below the goal)."""
+    def ms(k):
+        if engine == "stock":
+            return [10.0 + k + 4 * i, 12.0 + k + 4 * i]
+        return [(11.0 + k + i) * (1.5 if k == 8 else 1.0)] * 2
+    return {"engine": engine, "engine_start_s": 30.0 + i, "cases": [
+        {"b": b, "ctx": ctx, "prefill_s": [0.5, 0.7], "decode_ms": ms(k)} for k, (b, ctx) in enumerate(bench.TAIL_CASES)]}
+
+
+def test_tail_rounds_pool_medians_ratios_and_json(tmp_path, monkeypatch, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    order = []
+
+    def fake_engine(args, engine, name):
+        order.append(name)
+        assert args.tail and args.repeats == 3
+        return _tail_result(engine, int(name[-1]) - 1)
+    monkeypatch.setattr(bench, "run_engine", fake_engine)
+    out = tmp_path / "t.json"
+    bench.main(["--model", str(tmp_path), "--tail", "--rounds", "2", "--json", str(out)])
+    assert order == ["stock-1", "plugin-1", "plugin-2", "stock-2"]                     # ABBA
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"device", "date", "args", "results", "rounds", "tail"}
+    assert doc["results"]["plugin"] == {"engine": "plugin", "engine_start_s": 30.5, "wall_s": pytest.approx(
+        sum(r["plugin"]["wall_s"] for r in doc["rounds"]))}
+    tail = doc["tail"]
+    assert tail["decode_steps"] == 256 and tail["goal"] == 0.9 and len(tail["cases"]) == 9
+    first, third, last = tail["cases"][0], tail["cases"][2], tail["cases"][8]
+    assert (first["b"], first["ctx"], first["stock"]["decode_ms"], first["plugin"]["decode_ms"]) == (1, 1024, 13.0, 11.5)
+    assert first["plugin_speed"] == 13.0 / 11.5 and first["plugin_speed_per_round"] == [1.0, 15.0 / 12.0]
+    assert first["stock"]["prefill_s"] == 0.6 and third["stock"]["decode_tokens_per_s"] == 16e3 / 15.0
+    assert (last["b"], last["ctx"], last["plugin"]["decode_ms"]) == (16, 32768, 29.25)
+    printed = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines() if line.startswith("| ")]
+    assert rows[0][:4] == ["B", "context", "stock ms/step", "plugin ms/step"] and len(rows) == 10
+    assert rows[1] == ["1", "1,024", "13.000", "11.500", "77", "87", "0.600", "0.600", "1.130", "1.000, 1.250"]
+    assert "goal >= 0.9 at every B and context (issue 26): 8 of 9 cases; lowest 0.718 (B=16, context 32,768)" \
+        in printed
+
+
+def test_the_child_gets_its_settings_and_flags(tmp_path, monkeypatch):
+    argvs = []
+
+    class Child:
+        stdout, returncode = iter(['@@result {"engine": "stock"}\n']), 0
+
+        def wait(self, timeout=None):
+            return 0
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda argv, **k: argvs.append(argv[2:]) or Child())
+    (tmp_path / "config.json").write_text("{}")
+    bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--rounds", "2"]), "stock")
+    assert "--tail" in argvs[0] and "--repeats=3" in argvs[0] and "--profile" not in argvs[0]
+    assert not [a for a in argvs[0] if a.startswith(("--rounds", "--json", "--logs", "--engines"))]
+    assert argvs[0][-2:] == ["--child", "stock"]
+    Child.stdout = iter(['@@result {"engine": "stock"}\n'])
+    bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--profile"]), "stock")
+    assert "--profile" in argvs[1] and "--tail" not in argvs[1] and "--repeats=1" in argvs[1]
+
+
+def test_tail_with_profile_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--tail", "--profile"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --tail with --profile: run them separately"

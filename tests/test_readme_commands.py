@@ -51,6 +51,7 @@ NOT_HERE = {
         "the NPU environment: pip downloads, for an Ascend host",
     "bash scripts/gpu_suite.sh $OUT": "needs a CUDA GPU (the H200, through the device tool)",
     "bash scripts/gpu_vllm_suite.sh STEP... $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
+    "bash scripts/gpu_vllm_suite.sh tail $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
     "python -m true_on_policy.check --cuda-graphs --enable-prefix-caching":
         "needs a CUDA GPU (without one: exit 2, tested in test_check_cli.py)",
     'run(carry=[".h200/MANIFEST", ".h200/vllm026.tar.xz.part-aa"], command="bash scripts/h200_vllm_env.sh")':
