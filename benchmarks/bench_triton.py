@@ -427,17 +427,17 @@ def probe_decode_split():
     """The decode tail's paged launch alone (B=1 x 1k took 31 us a layer, B=1 x 32k 93 us in the
     48-layer step, 2026-12-03): graph-replayed us per call at B 1 / 4 and context 1k / 8k / 32k, by
     page size and by table width (vLLM sizes the table by max_model_len: 40,960 tokens here, so 80
-    KV chunks of programs, most returning at once), for forward tiles (rows, warps, stages) and
+    KV chunks of programs, most returning at once), for a forward tile, KV chunk sizes and
     unsplit; bits against the default launch."""
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
-    # a decode tile of 64 rows holds 8 tokens of one sequence's 8 query heads a KV head: 7 of them
-    # empty at decode, so the 16- and 32-row tiles ask whether a smaller MMA shortens the serial walk
-    variants = {"default": {}, "unsplit": dict(split=False), "stages 2": dict(tile=(64, 4, 2)),
-                "stages 4": dict(tile=(64, 4, 4)), "warps 8": dict(tile=(64, 8, 3)),
-                "rows 32": dict(tile=(32, 4, 3)), "rows 16": dict(tile=(16, 4, 3)),
-                "rows 16 warps 2": dict(tile=(16, 2, 3))}
-    for page in (16, 32):
+    # 2026-12-04: stages 2 / 4, warps 8 and 16- / 32-row tiles measured (RESULTS.md); the 16-row tile
+    # was fastest (B=1: 16 vs 26 us at 1k, 49 vs 92 at 32k) but other bits (mma.sync, not wgmma).
+    # A chunk walk is a serial chain of ~1.2 us a key block: shorter KV chunks (a contract change,
+    # other bits) ask how many more programs buy at decode, against a longer fold
+    variants = {"default": {}, "unsplit": dict(split=False), "rows 16": dict(tile=(16, 4, 3)),
+                "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}
+    for page in (16,):          # page 32 gave the same times (2026-12-04)
         for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768)):
             for width in (ctx, 40960):
                 kv = PagedKV(1, batch * width // page + 8, page, HKV, D, BF16, DEV)

@@ -692,13 +692,16 @@ def _warn_unsplit_capture(device):
                 device)
 
 
-def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None):
+def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
+             chunk=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
-    tests only: the same bits either way)."""
+    tests only: the same bits either way); chunk: keys a KV chunk other than the contract's
+    (probes only: other bits)."""
     g = _check(q, k.shape[-2])
     rows, warps, stages = tile or (*_TILE, _STAGES)
+    chunk = chunk or KV_CHUNK
     if g > rows:
         raise NotImplementedError(f"{g} query heads per KV head: at most {rows}")
     tpt = rows // g
@@ -717,7 +720,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         and v.is_contiguous() and gemm.tma_ready(k.flatten(1), v.flatten(1))
     ka, va = ((gemm.descriptor(c.flatten(1), [KV_BLOCK, d]) for c in (k, v)) if tma else (k, v))
     # the chunks a sequence of the table's capacity has: shapes only
-    chunks = triton.cdiv(table.shape[1] * page, KV_CHUNK) if paged else 1
+    chunks = triton.cdiv(table.shape[1] * page, chunk) if paged else 1
     if split is None:
         split = paged and programs * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
     split = split and paged and chunks > 1 and lse is None
@@ -730,7 +733,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         seq_lens if paged else q_start, tab, s, t,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
-        G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=page, PAGED=paged,
+        G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=chunk, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
