@@ -16,7 +16,7 @@ Keys come in KV chunks (contract.KV_CHUNK): the state restarts at each chunk and
 its chunks' states in order (_fold). Small paged batches (the decode tail) run one program per
 (tile, chunk) instead, each writing its chunk's fp32 state; the last of a tile's programs to
 finish (an arrival counter per (tile, KV head), _last_to_arrive) folds them in the same order
-with the same instructions and stores the output (_fold_store), in the same launch: the same bits, many more
+with the same instructions (_fold_states), in the same launch: the same bits, many more
 programs at long context, no second launch.
 The softmax runs in base 2 (contract.ACCUMULATION["triton"]). Grids are sized by shapes
 alone: the tiles of every sequence are numbered one after another (_flat_tile), so a mixed
@@ -87,8 +87,6 @@ _LOG2E = 1.4426950408889634
 # 16k (144) 61 vs 44 %, B=64 x 8k (288) 63 vs 79 %, B=128 x 4k (576) 79 % unsplit: split below 2
 # programs an SM (264).
 _SPLIT_WAVES, _SPLIT_BYTES = 2, 256 << 20
-# Rows the split tile's last program folds at a time (_fold_store): at decode 8 of a tile's 64 are real.
-_FOLD_ROWS = 16
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head) pairs of any
 # launch the threshold splits (fewer than 2 an SM: 264 on the H200).
@@ -321,7 +319,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
         acc, m, l = _attend_chunk(c, q, qpos, seq, seq_len, q0.to(tl.int64), (first_pos + 1) // KV, last_pos // KV + 1,
                                   Kh, Vh, stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D,
                                   ROWS, D, KV, CHUNK, PAGE, PAGED, TMA)
-        # a tile of several chunks: its state, folded and stored by the tile's last program; of one: its output
+        # a tile of several chunks: its state, folded by the tile's last program; of one: its output
         several = (qpos * 0 + last_pos) >= CHUNK       # per row (a scalar mask is not one on every backend)
         hq = G * tl.num_programs(1)
         _chunk_store(WAcc, WML, c, qrow, head, valid & several, acc, m, l, T, hq, tl.num_programs(2), D)
@@ -331,8 +329,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
             # sequences longer than a table row; their outputs are never read)
             n = tl.minimum(last_pos // CHUNK + 1, tl.num_programs(2))
             if _last_to_arrive(Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), n):
-                _fold_store(WAcc, WML, O, tile, q0, tl.load(QStart + seq + 1) - q0, kvh, T, hq, tl.num_programs(2), n,
-                            stride_ot, stride_oh, G, TPT, D, _FOLD_ROWS)
+                acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D)
+                store = valid
     else:
         acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
                                  stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS,
@@ -389,40 +387,19 @@ def _load_state(WAcc, WML, c, qrow, head, valid, T, HQ, chunks, D: tl.constexpr)
 
 @triton.jit
 def _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr):
-    """The chunk states 0 .. n-1 (n >= 2) of rows (qrow, head) folded in chunk order: _attend_tile's
-    order and instructions. Returns the fold's acc, m and l. The fold is a serial chain of a few
-    flops a step: each state is loaded three steps before it is folded, so the steps do not wait on
-    their loads (the last loads repeat state n-1, never folded)."""
+    """The chunk states 0 .. n-1 (n >= 2) of a split tile folded in chunk order: _attend_tile's
+    order and instructions. Returns the fold's acc, m and l. The next state is loaded before the
+    current one is folded: the fold is a serial chain, and without the prefetch each step waited
+    on its own loads (H200, B=1 x 32k: 64 states took ~65 us of the launch's 92)."""
     acc, m, l = _load_state(WAcc, WML, 0, qrow, head, valid, T, HQ, chunks, D)
-    m = tl.where(valid, m, 0.0)          # rows not stored: finite
+    m = tl.where(valid, m, 0.0)          # invalid rows: finite, never stored
     l = tl.where(valid, l, 1.0)
-    a1, m1, l1 = _load_state(WAcc, WML, 1, qrow, head, valid, T, HQ, chunks, D)
-    a2, m2, l2 = _load_state(WAcc, WML, tl.minimum(2, n - 1), qrow, head, valid, T, HQ, chunks, D)
-    a3, m3, l3 = _load_state(WAcc, WML, tl.minimum(3, n - 1), qrow, head, valid, T, HQ, chunks, D)
+    nacc, nm, nl = _load_state(WAcc, WML, 1, qrow, head, valid, T, HQ, chunks, D)
     for c in range(1, n):
-        a4, m4, l4 = _load_state(WAcc, WML, tl.minimum(c + 3, n - 1), qrow, head, valid, T, HQ, chunks, D)
-        acc, m, l = _fold(acc, m, l, a1, m1, l1)
-        a1, m1, l1, a2, m2, l2, a3, m3, l3 = a2, m2, l2, a3, m3, l3, a4, m4, l4
+        cacc, cm, cl = nacc, nm, nl
+        nacc, nm, nl = _load_state(WAcc, WML, tl.minimum(c + 1, n - 1), qrow, head, valid, T, HQ, chunks, D)
+        acc, m, l = _fold(acc, m, l, cacc, cm, cl)
     return acc, m, l
-
-
-@triton.jit
-def _fold_store(WAcc, WML, O, tile, q0, n_new, kvh, T, HQ, chunks, n, stride_ot, stride_oh, G: tl.constexpr,
-                TPT: tl.constexpr, D: tl.constexpr, RG: tl.constexpr):
-    """The split tile's last program: its real rows' chunk states folded (_fold_states) and acc / l
-    stored, RG rows at a time. A group's states are small enough to load several ahead; the tile's
-    64 rows (56 of them empty at decode) were not (H200, B=1 x 32k: the fold of 64 states took ~65
-    us of the launch's 92)."""
-    rows = tl.minimum(TPT, n_new - tile * TPT) * G
-    d = tl.arange(0, D)
-    for g0 in range(0, rows, RG):
-        r = g0 + tl.arange(0, RG)
-        valid = r < rows
-        qrow = (q0 + tile * TPT + r // G).to(tl.int64)
-        head = kvh * G + r % G
-        acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D)
-        tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 tl.div_rn(acc, l[:, None]).to(O.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
