@@ -19,7 +19,9 @@
 # unset for it: the plugin's hooks stay off).
 # Knobs: H200_CPU_CPUS (e.g. "0,1"), H200_CPU_BIND (VLLM_CPU_OMP_THREADS_BIND), H200_CPU_ARCHS
 # (default "qwen3_moe qwen3"; empty: none), H200_CPU_BENCH_ARGS (more bench_rollout flags, e.g. a short run:
-# "--prompts 4 --max-tokens 8 --repeats 1"), H200_TMP (default /tmp).
+# "--prompts 4 --max-tokens 8 --repeats 1"; "--modes stock": one mode), H200_TMP (default /tmp); the
+# plugin's realisation: CONSISTENT_OPS_CPU_ACCUMULATION (bf16 / fp32). $out/procs.txt: the processes'
+# threads and CPUs, sampled every 15 s.
 # Exit 2: the env step did not run or a pack is missing (one line, named); else bench_rollout's status.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -119,6 +121,22 @@ print(f"[h200_cpu_bench] vllm {vllm.__version__} from {vllm.__file__} (vllm-cpu 
 if not (current_platform.is_cpu() and vllm.__file__.startswith(sys.argv[1]) and not cuda_dist and libs):
     sys.exit("error: this is not vllm-cpu on its CPU platform with its kernels (see above)")
 EOF
+# Every 15 s while the benches run: each Python / vLLM process's thread count, the CPUs it may run on
+# and those its threads last ran on ($out/procs.txt): whether a binding left the taskset and how many
+# threads share the two cores (on 2026-12-04 each engine process took ~190 s here, the plugin 0.45x).
+sample_procs() {
+    while sleep 15; do
+        echo "# $(date +%T)"
+        ps -eo pid=,comm= | awk '$2 ~ /python|VLLM|EngineCore/ {print $1, $2}' | while read -r pid comm; do
+            allowed=$(awk '/Cpus_allowed_list/ {print $2}' "/proc/$pid/status" 2>/dev/null) || continue
+            ran=$(ps -L -o psr= -p "$pid" 2>/dev/null | sort -n | uniq -c | awk '{printf "%s:%s ", $2, $1}')
+            echo "$pid $comm threads $(ps -L -o lwp= -p "$pid" 2>/dev/null | wc -l) allowed $allowed ran-on(cpu:threads) $ran"
+        done
+    done
+}
+sample_procs > "$out/procs.txt" 2>&1 &
+sampler=$!
+trap 'kill $sampler 2>/dev/null' EXIT
 status=0
 for arch in ${H200_CPU_ARCHS-qwen3_moe qwen3}; do
     rm -f "$out/bench_$arch.json"
