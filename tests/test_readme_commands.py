@@ -41,6 +41,7 @@ RUN = {
         "tests/test_ascend.py::test_every_ascend_kernel_compiles_with_triton_ascend",
     "python -m true_on_policy.verl.cpu_support N":
         "tests/test_readme_commands.py::test_cpu_support_prints_the_cpu_overrides",
+    "python benchmarks/bench_cpu_dot.py": "tests/test_bench_cpu_dot.py::test_bench_cpu_dot_times_every_shape_against_torch",
     "bash scripts/test.sh": ".ci/run",
     "bash scripts/setup_megatron.sh": "scripts/test.sh",
 }
