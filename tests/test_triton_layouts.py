@@ -22,25 +22,23 @@ RMS_TENSORS = ("X", "Res", "W", "Y", "ResOut")
 PROLOGUE_TENSORS = ("Q", "K", "V", "QW", "KW", "QOut", "KOut", "VOut")
 
 
-def reduce_layouts(kernel, tensors, dtype, constexprs, divisible, num_warps):
-    """[(shape, layout)] of kernel's tt.reduce operands compiled for the H200; tensors: the arguments
-    of the activation dtype (Cos/Sin: fp32); divisible: the integer arguments the launcher marks
-    divisible by 16 (pointers: always, fresh or 16-byte aligned tensors)."""
+def compile_h200(kernel, types, constexprs, divisible, **options):
+    """kernel compiled for the H200 down to its cubin (Triton's own ptxas); types: argument -> Triton
+    type, "i32" unless named; divisible: the integer arguments the launcher marks divisible by 16
+    (pointers: always, fresh or 16-byte aligned tensors)."""
     sig, attrs = {}, {}
     for i, p in enumerate(kernel.params):
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-        elif p.name in ("Hf", "eps"):
-            sig[p.name] = "fp32"
-        elif p.name in tensors or p.name in ("Cos", "Sin"):
-            sig[p.name] = "*" + (dtype if p.name in tensors else "fp32")
+        sig[p.name] = "constexpr" if p.is_constexpr else types.get(p.name, "i32")
+        if sig[p.name].startswith("*") or p.name in divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[p.name] = "i32"
-            if p.name in divisible:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    ir = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=H200,
-                        options=dict(num_warps=num_warps, **EXACT)).asm["ttgir"]
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=H200, options=dict(**options, **EXACT))
+
+
+def reduce_layouts(kernel, tensors, dtype, constexprs, divisible, num_warps):
+    """[(shape, layout)] of kernel's tt.reduce operands compiled for the H200; tensors: the arguments
+    of the activation dtype (Cos/Sin: fp32, Hf and eps: fp32 scalars)."""
+    types = {"Hf": "fp32", "eps": "fp32", "Cos": "*fp32", "Sin": "*fp32", **{t: "*" + dtype for t in tensors}}
+    ir = compile_h200(kernel, types, constexprs, divisible, num_warps=num_warps).asm["ttgir"]
     layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ir, re.M))
     operands = re.findall(r'"tt\.reduce".*?\}\) : \(tensor<(\w+), (#\w+)>', ir, re.S)
     return [(shape, layouts[enc]) for shape, enc in operands]
@@ -73,3 +71,21 @@ def test_one_head_a_program_reduces_on_another_layout():
     one = reduce_layouts(prologue._qk_norm_rope_kernel, PROLOGUE_TENSORS, "bf16", {"ROWS": 1, "D": block},
                          TOKEN_STRIDES, warps)
     assert one[0] != rms_norm_layout(128, "bf16") and "warpsPerCTA = [1, 4]" in one[0][1]
+
+
+ATTN_TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "WAcc": "*fp32", "WML": "*fp32",
+              "Count": "*i32", "QStart": "*i32", "SeqLen": "*i32", "Table": "*i32", "qk_scale": "fp32"}
+
+
+@pytest.mark.parametrize("paged, split", [(True, True), (True, False), (False, False)],
+                         ids=["decode-split", "paged", "training"])
+def test_attention_forward_compiles_for_the_h200(paged, split):
+    """The forward kernel in its launch forms, compiled for sm_90 to a cubin on the CPU: what the
+    interpreter accepts and the GPU would not (a plain global read in a kernel, a type error) fails
+    here, before a device session (it did, 2026-12-04)."""
+    from consistent_ops.contract import KV_BLOCK, KV_CHUNK
+    from consistent_ops.triton import attention as ta
+    rows, warps, stages = ta._TILE[0], ta._TILE[1], ta._STAGES
+    const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=16 if paged else 1,
+                 PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split)
+    assert compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(), num_warps=warps, num_stages=stages).asm["cubin"]
