@@ -3,7 +3,10 @@ realisation this CPU has, beside torch's matmul; a bad value is one line, exit 2
 import json
 import os
 import subprocess
+import sys
 
+import torch
+from consistent_ops.reference import native
 from readme import ROOT, readme_command
 
 SHAPES = ["qkv", "o_proj", "expert gate_up", "expert down", "qkv decode", "o_proj decode"]
@@ -28,3 +31,17 @@ def test_bench_cpu_dot_times_every_shape_against_torch(tmp_path):
 def test_bad_thread_count_is_one_line():
     proc = _run("--threads", "0")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --threads 0: use 1 or more"
+
+
+def test_each_case_runs_in_its_own_realisation(monkeypatch):
+    """The cases are made together and interleaved: each sets its realisation when called (it was
+    set when made, so every case ran the last one's)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("CONSISTENT_OPS_CPU_ACCUMULATION", "fp32")
+    sys.modules.pop("bench_cpu_dot", None)
+    import bench_cpu_dot
+    a, w = torch.randn(8, 300).bfloat16(), torch.randn(16, 300).bfloat16()
+    cases = {name: bench_cpu_dot.ours(name, a, w) for name in ("fp32", "bf16")}
+    pairs = native.dot32p_matmul(a, w.t())
+    assert not torch.equal(pairs, native.dot32_matmul(a, w.t()))
+    assert torch.equal(cases["fp32"](), native.dot32_matmul(a, w.t())) and torch.equal(cases["bf16"](), pairs)
