@@ -64,7 +64,6 @@ def main():
             print(f"error: --threads {args.threads}: use 1 or more", file=sys.stderr)
             raise SystemExit(2)
         torch.set_num_threads(args.threads)
-    saved = os.environ.get(CPU_ACCUMULATION_ENV)
     names = realisations()
     cpu = cpu_description()
     print(f"# {cpu}; realisations {names}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
@@ -91,10 +90,6 @@ def main():
                                                         for c, v in med.items())
               + " | ours / torch bf16: " + ", ".join(f"{c[5:]} {x:.2f}x" for c, x in row["vs_torch_bf16"].items()),
               flush=True)
-    if saved is None:
-        os.environ.pop(CPU_ACCUMULATION_ENV, None)
-    else:
-        os.environ[CPU_ACCUMULATION_ENV] = saved
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu, "threads": torch.get_num_threads(), "rows": rows},
                                               indent=1))
