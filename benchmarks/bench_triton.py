@@ -404,7 +404,8 @@ def _probe_variants(label, runs, variants, rounds=5):
 def probe_attention():
     """Forward variants (keyword arguments of _forward: tile (rows, warps, stages), tma (bulk
     copies of packed K/V)) at S=16k x1, 8k x2 and 4k x4 (varlen) and a 2k chunk at context 8k
-    (paged: pointer loads always)."""
+    (paged: pointer loads always); KV chunks of 256 / 128 keys (a contract change, other bits): what
+    shorter chunks, which buy decode more programs (probe_decode_split), cost prefill and training."""
     from consistent_ops.triton import attention as ta
     chunk, ctx = 2048, 8192
     from harness import PagedKV
@@ -420,7 +421,8 @@ def probe_attention():
         runs[f"varlen {s // 1024}k x{batch}"] = (
             lambda q=q, k=k, v=v, cu=cu, lse=lse, **kw:
             (ta._forward(q, k, v, cu, None, None, scale, False, lse=lse, **kw), lse.clone()))
-    _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2))))
+    _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2)), dict(chunk=256),
+                                            dict(chunk=128)))
 
 
 def probe_decode_split():
