@@ -110,10 +110,10 @@ def cpu_description() -> str:
         isa = "AMX + AVX-512"
     if "avx512_bf16" in flags:
         isa += " (AVX512_BF16)"
-    from consistent_ops.reference.native import accumulation
-    acc = accumulation()
+    from consistent_ops.reference.native import accumulation, build_isa
     return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')} model "
-            f"{fields.get('model', '?')}), {isa}, {os.cpu_count()} CPUs; plugin CPU accumulation {acc}")
+            f"{fields.get('model', '?')}), {isa}, {os.cpu_count()} CPUs; plugin CPU accumulation {accumulation()}, "
+            f"kernels built for {build_isa()}")
 
 
 def run_mode(args, model, mode):

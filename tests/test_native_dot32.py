@@ -99,6 +99,16 @@ def test_scalar_build_gives_the_same_bits(tmp_path, monkeypatch):
     monkeypatch.setenv("CONSISTENT_OPS_CACHE", str(tmp_path))
     monkeypatch.setattr(native, "_lib", None)
     assert all(torch.equal(x, y) for x, y in zip(run(), fast))
+    assert native.build_isa() == "scalar"
+
+
+def test_build_isa_names_the_vector_paths_this_cpu_has():
+    """The machine's build (-march=native) takes the widest path its cpuinfo lists: what the
+    plugin's log line and the benches report (an emulated build on a VDPBF16PS CPU would be slow)."""
+    flags, isa = native._flag_set(native._cpu_flags()), native.build_isa()
+    assert ("vdpbf16ps" in isa) == ("avx512_bf16" in flags)
+    assert isa.startswith("avx512") == ("avx512f" in flags)
+    assert (isa == "scalar") == (not {"avx2", "fma"} <= flags and "avx512f" not in flags)
 
 
 def test_native_silu_mul_equals_the_torch_steps():

@@ -233,6 +233,22 @@ static inline v16 pair16(const uint16_t *a, const uint16_t *b, v16 acc) {
     return load16(l);
 }
 #endif
+/* The vector paths this build compiled (1: 16 lanes on AVX2 + FMA, 2: on AVX-512, 4: pairs on
+ * VDPBF16PS; 0: scalar C): logs and benches name the build a CPU ran, not what its cpuinfo
+ * suggests. The bits never depend on it. */
+int dot32_isa(void) {
+    int isa = 0;
+#if defined(__AVX512F__)
+    isa |= 2;
+#elif defined(__FMA__)
+    isa |= 1;
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    isa |= 4;
+#endif
+    return isa;
+}
+
 enum { PAIR_K = 2 * LANES, PAIR_COLS = 4 };   /* register blocks: 4 rows x PAIR_COLS columns */
 
 /* block32 in the pair order (register blocks of 4 x 3 outputs): rows of kp (a multiple of

@@ -110,8 +110,17 @@ def library():
             lib.linear_add_norm32.restype = ctypes.c_int
             lib.mlp32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, p, p, ctypes.c_int, p]
             lib.mlp32.restype = ctypes.c_int
+            lib.dot32_isa.argtypes, lib.dot32_isa.restype = [], ctypes.c_int
             _lib = lib
     return _lib
+
+
+def build_isa() -> str:
+    """The vector paths of this machine's dot32.c build: "avx512 + vdpbf16ps", "avx512", "avx2" or
+    "scalar" (the C loops; bf16 pairs emulated). Every build gives the same bits; this says how fast."""
+    isa = library().dot32_isa()
+    name = "avx512" if isa & 2 else "avx2" if isa & 1 else "scalar"
+    return name + " + vdpbf16ps" if isa & 4 else name
 
 
 def _int64s(values):

@@ -49,6 +49,15 @@ def tensor_parallel_from_vllm() -> TensorParallel:
     return TensorParallel(size=size, rank=get_tensor_model_parallel_rank(), group=get_tp_group().device_group)
 
 
+def _cpu_kernels() -> str:
+    """On the reference backend: which build of the CPU kernels runs and on how many threads (a
+    slow CPU rollout often means an emulated build or a thread count the binding did not intend)."""
+    if co.backend_name() != "reference":
+        return ""
+    from consistent_ops.reference import native
+    return f", CPU kernels {native.build_isa()} ({native.accumulation()}), {torch.get_num_threads()} threads"
+
+
 class TrueOnPolicyForCausalLM(CausalLM):
     """Registered for Qwen3ForCausalLM and Qwen3MoeForCausalLM when TRUE_ON_POLICY=1."""
 
@@ -66,8 +75,8 @@ class TrueOnPolicyForCausalLM(CausalLM):
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
-        log.info("true_on_policy: %s TP %d/%d, consistent_ops %s", cfg.arch, tp.rank, tp.size,
-                 self.contract_fingerprint)
+        log.info("true_on_policy: %s TP %d/%d, consistent_ops %s%s", cfg.arch, tp.rank, tp.size,
+                 self.contract_fingerprint, _cpu_kernels())
 
     def load_weights(self, weights):
         """verl's in-place sync lands here too; in debug mode (sync_check) it is checksummed."""
