@@ -287,6 +287,9 @@ def main(argv=None):
     gc.freeze()                             # as vLLM's engine after its start-up
     rng = random.Random(0)                  # bench_rollout's prompts
     prompts = [[rng.randrange(1000) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    # the logits' digests compare between machines only on the same weights (made by torch's generator there)
+    weights = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    log(f"weights {path / 'model.safetensors'}: sha256 {weights}")
     rows, digests = measure(args, ours, stock, prompts, names)
     gc.unfreeze()       # as vLLM's shutdown (frozen objects are never freed: triton's bindings report leaks)
     print(f"CPU: {cpu}\n{args.arch}: {args.prompts} prompts x {args.prompt_len} tokens, {args.steps} decode steps, "
@@ -303,9 +306,11 @@ def main(argv=None):
     one = {r: sorted(set(d.values())) for r, d in digests.items()}
     for r, values in one.items():
         print(f"digest {r}: {values[0] if len(values) == 1 else 'DIFFERS: ' + ', '.join(values)}")
+    print(f"weights sha256: {weights}")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "load_avg": os.getloadavg(), "model": str(path),
+            "weights_sha256": weights,
             "args": vars(args), "realisations": names, "threads": args.threads, "torch": torch.__version__,
             "rows": rows, "digests": {r: v[0] for r, v in one.items() if len(v) == 1},
             "digest_runs": digests}, indent=1) + "\n")

@@ -34,7 +34,7 @@ def test_every_case_at_every_thread_count(tmp_path):
     proc = _run(*TINY, "--threads", "1,2", "--accumulation", "fp32,fp64", "--stub", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    assert {"date", "cpu", "realisations", "threads", "rows", "digests", "digest_runs"} <= set(doc)
+    assert {"date", "cpu", "realisations", "threads", "rows", "digests", "digest_runs", "weights_sha256"} <= set(doc)
     assert doc["realisations"] == ["fp32", "fp64"] and doc["threads"] == [1, 2]
     cases = ["stock", "fp32", "fp32 stub", "fp64", "fp64 stub"]
     assert [(r["case"], r["threads"]) for r in doc["rows"]] == [(c, t) for t in (1, 2) for c in cases]
