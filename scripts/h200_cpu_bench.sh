@@ -126,7 +126,9 @@ EOF
 # and those its threads last ran on ($out/procs.txt): whether a binding left the taskset and how many
 # threads share the two cores (on 2026-12-04 each engine process took ~190 s here, the plugin 0.45x).
 sample_procs() {
-    while sleep 15; do
+    # the EXIT trap's kill lands in `wait`: end the nap too (a `sleep` left behind outlives the script)
+    trap 'kill $nap 2>/dev/null; exit 0' TERM
+    while sleep 15 & nap=$!; wait $nap; do
         echo "# $(date +%T)"
         ps -eo pid=,comm= | awk '$2 ~ /python|VLLM|EngineCore/ {print $1, $2}' | while read -r pid comm; do
             allowed=$(awk '/Cpus_allowed_list/ {print $2}' "/proc/$pid/status" 2>/dev/null) || continue
