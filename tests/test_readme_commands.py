@@ -42,6 +42,7 @@ RUN = {
     "python -m true_on_policy.verl.cpu_support N":
         "tests/test_readme_commands.py::test_cpu_support_prints_the_cpu_overrides",
     "python benchmarks/bench_cpu_dot.py": "tests/test_bench_cpu_dot.py::test_bench_cpu_dot_times_every_shape_against_torch",
+    "python benchmarks/bench_cpu_step.py": "tests/test_bench_cpu_step.py::test_every_case_at_every_thread_count",
     "bash scripts/test.sh": ".ci/run",
     "bash scripts/setup_megatron.sh": "scripts/test.sh",
     "bash scripts/amx_probe.sh --self-test": "tests/test_amx_probe.py::test_self_test_tells_every_candidate_apart",
