@@ -21,7 +21,8 @@
 # (default "qwen3_moe qwen3"; empty: none), H200_CPU_BENCH_ARGS (more bench_rollout flags, e.g. a short run:
 # "--prompts 4 --max-tokens 8 --repeats 1"; "--modes stock": one mode), H200_TMP (default /tmp); the
 # plugin's realisation: CONSISTENT_OPS_CPU_ACCUMULATION (bf16 / fp32); H200_CPU_STEP=0: no model-only step
-# bench (bench_cpu_step.py, run first for each arch). $out/procs.txt: the processes'
+# bench (bench_cpu_step.py, run first for each arch); H200_CPU_ROLLOUT=0: no vLLM benches (the step bench
+# alone fits a device call; each vLLM engine takes ~200 s to start there). $out/procs.txt: the processes'
 # threads and CPUs, sampled every 15 s.
 # Exit 2: the env step did not run or a pack is missing (one line, named); else 1 if a bench failed.
 set -euo pipefail
@@ -156,6 +157,7 @@ if [ "${H200_CPU_STEP:-1}" != 0 ]; then
     done
 fi
 for arch in ${H200_CPU_ARCHS-qwen3_moe qwen3}; do
+    [ "${H200_CPU_ROLLOUT:-1}" != 0 ] || break
     rm -f "$out/bench_$arch.json"
     echo "[h200_cpu_bench] $arch: bench_rollout --modes plugin,stock --rounds 1 --repeats 3 ${H200_CPU_BENCH_ARGS:-}"
     # shellcheck disable=SC2086

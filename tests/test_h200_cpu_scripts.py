@@ -109,10 +109,11 @@ def test_cpu_bench_without_libnuma_asks_for_the_deb(tmp_path):
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1 and "libnuma1_" in res.stderr, res.stderr
 
 
-@pytest.mark.parametrize("step", ["1", "0"])
-def test_cpu_bench_runs_the_model_only_step_first_unless_switched_off(tmp_path, step):
+@pytest.mark.parametrize("step, rollout", [("1", "1"), ("0", "1"), ("1", "0")])
+def test_cpu_bench_runs_the_model_only_step_first_unless_switched_off(tmp_path, step, rollout):
     """A python3 that logs its arguments (and writes each bench's --json) stands in for every one the script
-    starts: bench_cpu_step.py runs for each arch, pinned, before the vLLM benches; H200_CPU_STEP=0 skips it."""
+    starts: bench_cpu_step.py runs for each arch, pinned, before the vLLM benches; H200_CPU_STEP=0 skips it,
+    H200_CPU_ROLLOUT=0 the vLLM benches."""
     repo, tmp = _repo(tmp_path, ["vllm026", "vllmcpu026"]), tmp_path / "tmp"
     assert _run(repo, "h200_vllm_env.sh", tmp, H200_ENV_SMOKE="0").returncode == 0
     (tmp / "h200_project" / "true_on_policy").mkdir(parents=True, exist_ok=True)
@@ -125,13 +126,13 @@ def test_cpu_bench_runs_the_model_only_step_first_unless_switched_off(tmp_path, 
     (fake / "ldconfig").write_text("#!/bin/sh\necho 'libnuma.so.1 (libc6,x86-64) => /lib/libnuma.so.1'\n")
     for f in fake.iterdir():
         f.chmod(0o755)
-    res = _run(repo, "h200_cpu_bench.sh", tmp, str(out), H200_CPU_CPUS="0", H200_CPU_STEP=step, FAKE_LOG=str(log),
-               PATH=f"{fake}:{os.environ['PATH']}")
+    res = _run(repo, "h200_cpu_bench.sh", tmp, str(out), H200_CPU_CPUS="0", H200_CPU_STEP=step,
+               H200_CPU_ROLLOUT=rollout, FAKE_LOG=str(log), PATH=f"{fake}:{os.environ['PATH']}")
     assert res.returncode == 0, res.stdout + res.stderr
     benches = [ln.split(" --json")[0] for ln in log.read_text().splitlines() if ln.startswith("benchmarks/")]
-    rollout = [f"benchmarks/bench_rollout.py --arch {a} --modes plugin,stock --rounds 1 --repeats 3"
+    runs = [f"benchmarks/bench_rollout.py --arch {a} --modes plugin,stock --rounds 1 --repeats 3"
                for a in ("qwen3_moe", "qwen3")]
     steps = [f"benchmarks/bench_cpu_step.py --arch {a} --accumulation fp32,bf16 --threads 1 --stub"
              for a in ("qwen3_moe", "qwen3")]
-    assert benches == (steps if step == "1" else []) + rollout, benches
+    assert benches == (steps if step == "1" else []) + (runs if rollout == "1" else []), benches
     assert (out / "step_qwen3.json").is_file() == (step == "1")
