@@ -114,3 +114,60 @@ def test_experts_and_combine_in_one_call_equal_the_two_ops():
         else:
             assert torch.equal(whole, ops) and torch.equal(one, ops[7:8])
     assert co.moe_experts(x, ids, w, co.ExpertStack(stack.gate_up[4:], stack.down[4:], [4, 5, 6, 7])) is None
+
+
+def _route_spec(logits, k, norm):
+    """The fp32/bf16 realisations' router rule in torch steps: exp in fp64 (on these inputs the same
+    values as the native polynomial), sums in fp64 in expert / slot order, a stable descending sort."""
+    p = torch.exp((logits - logits.amax(-1, keepdim=True)).double()).float()
+    s = torch.zeros(len(p), dtype=torch.float64)
+    for e in range(p.shape[1]):
+        s = s + p[:, e].double()
+    prob = p / s.float()[:, None]
+    ids = torch.sort(prob, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = torch.gather(prob, 1, ids)
+    if norm:
+        sw = torch.zeros(len(w), dtype=torch.float64)
+        for j in range(k):
+            sw = sw + w[:, j].double()
+        w = w / sw.float()[:, None]
+    return ids, w
+
+
+def test_native_router_is_its_rule_trainer_and_rollout_alike(monkeypatch):
+    """The fp32/bf16 realisations' router (one native call: softmax by the attention's exp, fp64 sums
+    in order, stable top-k, renormalisation; the linear too without autograd) == its rule written in
+    torch steps, with NaN, -inf and tied logits; the trainer's (autograd) call == the rollout's, and
+    its gradient is the torch steps' rule. Companion: stock's fp32 softmax gives other weights."""
+    from consistent_ops.contract import CPU_ACCUMULATION_ENV
+    from consistent_ops.reference import moe as rmoe
+    g = torch.Generator().manual_seed(7)
+    for name in ("fp32", "bf16"):
+        monkeypatch.setenv(CPU_ACCUMULATION_ENV, name)
+        for e, k, h, scale in ((8, 2, 64, 1.0), (128, 8, 96, 4.0), (6, 6, 32, 1.0)):
+            x = torch.randn(200, h, generator=g).bfloat16()
+            gate = (scale * torch.randn(e, h, generator=g)).bfloat16()
+            x[3] = 0.0                                       # every logit 0: all tied
+            for norm in (True, False):
+                with torch.inference_mode():
+                    ids, w = co.moe_route(x, gate, k, norm)
+                logits = co.linear(x, gate, out_dtype=torch.float32)
+                want = _route_spec(logits, k, norm)
+                assert torch.equal(ids, want[0]) and torch.equal(w, want[1])
+                assert ids[3].tolist() == list(range(k))
+                lg = logits.clone().requires_grad_()
+                tids, tw = rmoe._NativeRoute.apply(lg, k, norm)
+                assert torch.equal(tids, ids) and torch.equal(tw, w)
+                grad = torch.autograd.grad((tw * torch.arange(k)).sum(), lg)[0]
+                ref = lg.detach().clone().requires_grad_()
+                rw = rmoe._route_torch(ref, k, norm, tids)[1]
+                assert torch.allclose(grad, torch.autograd.grad((rw * torch.arange(k)).sum(), ref)[0], atol=1e-6)
+                stock = torch.softmax(logits, -1).topk(k, -1).values
+                assert not torch.equal(stock / stock.sum(-1, keepdim=True) if norm else stock, w)
+    odd = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 2.0, float("-inf"), 2.0],
+                        [float("-inf")] * 4, [0.5, 0.25, 0.5, -1.0]])
+    got = rmoe.native.moe_route(odd, 3, True)
+    want = _route_spec(odd, 3, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].isnan(), want[1].isnan())
+    assert torch.equal(got[1].nan_to_num(), want[1].nan_to_num())
+    assert got[0][1].tolist() == [0, 1, 3] and got[0][3].tolist() == [0, 2, 1]

@@ -251,6 +251,11 @@ CPU_ACCUMULATION = {
         "silu_mul": (
             "CPU tensors of bf16/fp32 (gate and up alike), trainer and rollout: exp(-g) by the attention's exp "
             "above (fp64 polynomial rounded to fp32; dot32.c silu_mul32), the other steps as the common rule"),
+        "moe_router": (
+            "CPU, trainer and rollout, after the linear, per token: m = max of the fp32 logits (NaN if one "
+            "is NaN), p = exp(l - m) by the attention's exp above, s = fp32(fp64 sum of p, experts in "
+            "ascending id), prob = p / s; top-k by descending prob, NaN first, ties to the lower id; "
+            "weights renormalised by fp32(fp64 sum of them, slot order) (dot32.c moe_route32)"),
     },
     "bf16": {
         "cpu_accumulation": "bf16",
@@ -269,6 +274,7 @@ CPU_ACCUMULATION = {
             "as the fp32 realisation (reference/dot32.c attend32p), except q.k of bf16 q and K in the "
             "bf16 pair lanes above; p.v (p fp32) and the row sums of p in the fp32 lanes"),
         "silu_mul": "as the fp32 realisation",
+        "moe_router": "as the fp32 realisation",
     },
 }
 

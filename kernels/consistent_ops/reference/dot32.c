@@ -897,6 +897,65 @@ int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, in
     return rc;
 }
 
+/* reference/moe.py moe_route after its linear (CPU, the fp32/bf16 realisations, trainer and rollout),
+ * per token t of logits [T, E] fp32 (row stride sl): m = max_e l_e (NaN if one is NaN, as torch.amax),
+ * p_e = exp(l_e - m) by the attention's polynomial (exp32_one), s = fp32(fp64 sum of p_e, e ascending),
+ * prob_e = p_e / s; the top_k experts by descending prob, NaN first, ties to the lower id (a stable
+ * descending sort), their probs, renormalised when norm by fp32(fp64 sum of them, slot order). ids
+ * int64 [T, top_k], w fp32 [T, top_k]; top_k <= E. Every token alone, in order: any batch, same bits. */
+int moe_route32(int64_t T, int64_t E, const float *logits, int64_t sl, int64_t top_k, int norm, int64_t *ids,
+                float *w) {
+    float *prob = scratch_bytes((size_t)E * sizeof(float));
+    if (!prob) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * sl;
+        float m = l[0];
+        for (int64_t e = 0; e < E; e++) m = l[e] != l[e] || m != m ? NAN : l[e] > m ? l[e] : m;
+        double s = 0.0;
+        for (int64_t e = 0; e < E; e++) {
+            prob[e] = exp32_one(l[e] - m);
+            s += (double)prob[e];
+        }
+        for (int64_t e = 0; e < E; e++) prob[e] = prob[e] / (float)s;
+        int64_t *id = ids + t * top_k;
+        float *wt = w + t * top_k;
+        double sw = 0.0;
+        for (int64_t j = 0; j < top_k; j++) {   /* the j-th of a stable descending sort: NaN above all */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (taken) continue;
+                const float a = prob[e], b = best < 0 ? 0.0f : prob[best];
+                if (best < 0 || (a != a && b == b) || a > b) best = e;
+            }
+            id[j] = best;
+            wt[j] = prob[best];
+            sw += (double)wt[j];
+        }
+        if (norm)
+            for (int64_t j = 0; j < top_k; j++) wt[j] = wt[j] / (float)sw;
+    }
+    return 0;
+}
+
+/* The router in one call (CPU inference): logits = contract_dot(x row, w rows) in fp32 (dot32p for BF16
+ * pairs, else dot32: the linear's bits), then moe_route32; x [T, K] (row stride sx) and w [E, K] (row
+ * stride sw) of one dtype, K contiguous. Returns 0, or -1 when out of memory. */
+int moe_router32(int64_t T, int64_t E, int64_t K, int dt, const char *x, int64_t sx, const char *w, int64_t sw,
+                 int pairs, int64_t top_k, int norm, int64_t *ids, float *weights) {
+    float *logits = malloc((size_t)(FUSED_ROWS * E) * sizeof(float));
+    int rc = logits ? 0 : -1;
+    const int64_t sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
+    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
+        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS, shape[6] = {1, 1, 1, tr, E, K};
+        rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * ELEM[dt], dt, sa, w, dt, sb, NULL, logits);
+        if (!rc) rc = moe_route32(tr, E, logits, E, top_k, norm, ids + t0 * top_k, weights + t0 * top_k);
+    }
+    free(logits);
+    return rc;
+}
+
 /* A linear layer rounded to dt, then reference/norm.py add_rms_norm of it and the residual, in one
  * call (CPU inference, fp32/bf16 realisations): y = dt(contract_dot(x row, w rows)) [T, N] (x row
  * stride sx, w [N, K] row stride sw), then rms_norm_rows32(y, res, nw): out = RMSNorm(y + res),

@@ -4,21 +4,59 @@ import torch
 from ..experts import ExpertStack
 from . import native
 from .core import exp32, matmul32, recording, sum32
-from .linear import linear
+from .linear import _fusable, linear
 from .pointwise import silu_mul
 
 
 def moe_route(x, gate_weight, top_k, norm_topk_prob=True):
     """Router: fp32 logits, fp32 softmax, top-k with ties to the lower expert id.
-    Returns (ids int64 [T, k], weights fp32 [T, k])."""
+    Returns (ids int64 [T, k], weights fp32 [T, k]). On CPU in the fp32/bf16 realisations the
+    softmax, top-k and renormalisation are one native call (its exp the attention's polynomial, its
+    sums in fp64 in expert order: contract.CPU_ACCUMULATION "moe_router"), with or without autograd,
+    so the trainer and the rollout share it; elsewhere (and in the fp64 realisation) the torch steps."""
+    native_route = 0 < top_k <= gate_weight.shape[0]
+    if native_route and _fusable(x, gate_weight):       # inference: the linear in the same call
+        return native.moe_router(x, gate_weight, top_k, norm_topk_prob)
     logits = linear(x, gate_weight, out_dtype=torch.float32)
+    if native_route and logits.device.type == "cpu" and native.accumulation() != "fp64":
+        if recording(logits):
+            ids, weights = _NativeRoute.apply(logits, top_k, norm_topk_prob)
+            return ids, weights
+        return native.moe_route(logits, top_k, norm_topk_prob)
+    return _route_torch(logits, top_k, norm_topk_prob)
+
+
+def _route_torch(logits, top_k, norm_topk_prob, ids=None):
+    """The router's torch steps after the linear (ids: take these experts' probs instead of the top-k)."""
     e = exp32(logits - logits.amax(-1, keepdim=True))
     probs = e / sum32(e, -1, keepdim=True)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if ids is None:
+        ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
     weights = torch.gather(probs, 1, ids)
     if norm_topk_prob:
         weights = weights / sum32(weights, -1, keepdim=True)
     return ids, weights
+
+
+class _NativeRoute(torch.autograd.Function):
+    """Forward: native.moe_route; backward: autograd through the torch steps at the forward's experts
+    (their exp and sums differ from the native ones in at most rare last bits, not in the rule)."""
+
+    @staticmethod
+    def forward(ctx, logits, top_k, norm):
+        ids, weights = native.moe_route(logits, top_k, norm)
+        ctx.save_for_backward(logits, ids)
+        ctx.norm = norm
+        ctx.mark_non_differentiable(ids)
+        return ids, weights
+
+    @staticmethod
+    def backward(ctx, _, grad):
+        logits, ids = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = logits.detach().requires_grad_()
+            weights = _route_torch(leaf, ids.shape[1], ctx.norm, ids)[1]
+            return torch.autograd.grad(weights, leaf, grad)[0], None, None
 
 
 def _pairs_by_expert(ids, local):

@@ -111,6 +111,10 @@ def library():
             lib.mlp32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, p, p, ctypes.c_int, p]
             lib.mlp32.restype = ctypes.c_int
             lib.dot32_isa.argtypes, lib.dot32_isa.restype = [], ctypes.c_int
+            lib.moe_route32.argtypes = [i64, i64, p, i64, i64, ctypes.c_int, p, p]
+            lib.moe_route32.restype = ctypes.c_int
+            lib.moe_router32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, i64, ctypes.c_int, i64, ctypes.c_int, p, p]
+            lib.moe_router32.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -305,6 +309,33 @@ def silu_mul(gate, up):
                                             u.data_ptr(), u.stride(0), out.data_ptr()):
         raise MemoryError("consistent_ops silu_mul: out of memory for its row buffer")
     return out
+
+
+def moe_route(logits, top_k, norm):
+    """reference/moe.py moe_route after its linear, in one call (dot32.c moe_route32: the softmax's
+    exp by the attention's polynomial, its sums in fp64 in expert / slot order): ids int64 [T, top_k],
+    weights fp32 [T, top_k] of fp32 logits [T, E]. The fp32 / bf16 realisations. No autograd."""
+    logits = _unit_last(logits)
+    t, e = logits.shape
+    ids, weights = torch.empty(t, top_k, dtype=torch.int64), torch.empty(t, top_k, dtype=torch.float32)
+    if t and library().moe_route32(t, e, logits.data_ptr(), logits.stride(0), top_k, int(norm), ids.data_ptr(),
+                                   weights.data_ptr()):
+        raise MemoryError("consistent_ops moe_route: out of memory for its row buffer")
+    return ids, weights
+
+
+def moe_router(x, gate_weight, top_k, norm):
+    """reference/moe.py moe_route whole, linear included, in one call (dot32.c moe_router32: the linear's
+    contraction into fp32 logits, then moe_route32): x [T, H] and gate_weight [E, H] of one ACTIVATIONS
+    dtype. The same bits as linear then moe_route. No autograd."""
+    x, gate_weight = _unit_last(x), _unit_last(gate_weight)
+    t, (e, h) = x.shape[0], gate_weight.shape
+    ids, weights = torch.empty(t, top_k, dtype=torch.int64), torch.empty(t, top_k, dtype=torch.float32)
+    if t and library().moe_router32(t, e, h, DTYPES[x.dtype], x.data_ptr(), x.stride(0), gate_weight.data_ptr(),
+                                    gate_weight.stride(0), int(_kernel(x, gate_weight) == "32p"), top_k, int(norm),
+                                    ids.data_ptr(), weights.data_ptr()):
+        raise MemoryError("consistent_ops moe_router: out of memory for its logits buffer")
+    return ids, weights
 
 
 def moe_experts(x, ids, weights, gate_up, down, first, combine=False):
