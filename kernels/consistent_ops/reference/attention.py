@@ -93,7 +93,7 @@ def _attend(q, qpos, kv, scale):
     _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype.
     On CPU every forward (trainer and rollout, with or without autograd) is native.attend;
     elsewhere the torch ops of _attend_torch."""
-    if q.device.type != "cpu" or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
+    if not q.is_cpu or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
         return _attend_torch(q, qpos, kv, scale)
     if recording(q, kv.k, kv.v):
         return _NativeAttention.apply(q, kv.k, kv.v, qpos, scale)
@@ -211,7 +211,7 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     """Store this step's K/V before attention reads them (prefill and decode then
     reduce over the same cache). Caches [pages, page_size, Hkv, D]; slot -1 = padding."""
-    if (key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+    if (key.is_cpu and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
             and key_cache.stride() == value_cache.stride() and key.shape == value.shape
             and key.shape[1:] == key_cache.shape[2:]             # (the torch write below also broadcasts)
             and key.shape[0] == slot_mapping.shape[0] and not recording(key, value)):
@@ -269,7 +269,7 @@ class _PagedLayout:
         self.qpos, self.rows_qpos = qpos, qpos.repeat(1, q.shape[1] // key_cache.shape[2])
         self.table = block_table.to(device=q.device, dtype=torch.long)
         self.walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
-        if q.device.type == "cpu" and key_cache.dtype in native.DTYPES:
+        if q.is_cpu and key_cache.dtype in native.DTYPES:
             # [S, L]; columns past a sequence's last page repeat it (masked keys; V reads as zero there).
             self.token = native.paged_tokens(self.table, seq_lens, self.walked, key_cache.shape[1],
                                              *key_cache.stride()[:2])

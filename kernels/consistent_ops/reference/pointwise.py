@@ -50,7 +50,7 @@ def _yarn_range(d, theta, s):
 def apply_rope(x, cos, sin):
     """Neox rotate-half on x [T, H, D] in fp32, rounded to x's dtype (on CPU without autograd the
     same steps in one native call)."""
-    if (x.device.type == "cpu" and x.dtype in native.ACTIVATIONS and x.dim() == 3 and cos.shape == sin.shape
+    if (x.is_cpu and x.dtype in native.ACTIVATIONS and x.dim() == 3 and cos.shape == sin.shape
             == (x.shape[0], x.shape[2] // 2) and not recording(x, cos, sin)):
         return native.apply_rope(x, cos, sin)
     half = x.shape[-1] // 2
@@ -63,7 +63,7 @@ def silu_mul(gate, up):
     """On CPU in the fp32/bf16 realisations one native call (native.silu_mul: exp by the attention's
     polynomial, contract.CPU_ACCUMULATION "silu_mul"), with or without autograd, so the trainer and
     the rollout share it; elsewhere (and in the fp64 realisation) the torch steps below."""
-    if (gate.device.type == "cpu" and gate.dtype in native.ACTIVATIONS and up.dtype == gate.dtype
+    if (gate.is_cpu and gate.dtype in native.ACTIVATIONS and up.dtype == gate.dtype
             and native.accumulation() != "fp64"):
         return _NativeSiluMul.apply(gate, up) if recording(gate, up) else native.silu_mul(gate, up)
     return _silu_mul_torch(gate, up)
