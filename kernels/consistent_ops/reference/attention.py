@@ -234,12 +234,25 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     layout = _PagedLayout.of(q, key_cache, block_table, seq_lens, query_start_loc)
     if layout.padded:    # padding (a padded capture size): rows of no request are 0
         return _padded_batch(q, key_cache, value_cache, block_table, seq_lens, layout.starts, layout.lens, scale)
-    qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
-    if layout.token is not None:
-        kv = _PagedKV(key_cache, value_cache, layout)
-    else:
+    if layout.token is None:
         kv = _gathered_kv(key_cache, value_cache, layout.table, layout.seq_lens, layout.walked)
+    else:
+        kv = _PagedKV(key_cache, value_cache, layout)
+        if layout.decode and q.dtype in native.DTYPES and not recording(q, key_cache, value_cache):
+            return _decode(q, kv, scale)
+    qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
     return _unpad_rows(_attend(qp, layout.qpos, kv, scale), layout.lens)
+
+
+def _decode(q, kv, scale):
+    """_attend_native for one new token per sequence, q [S, Hq, D] (CPU inference): q read as
+    native.attend's [S, Hkv, G, D] query rows and its output as [S, Hq, D], views (what _pad_rows,
+    _rows, _unrows and _unpad_rows make of them in 8 reshapes and permutes)."""
+    k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
+    S, hq, d = q.shape
+    out = native.attend(q.reshape(S, kv.hkv, hq // kv.hkv, d), k, v, token, head_stride, dim_stride,
+                        kv.layout.rows_qpos, seq_lens, scale, KV_CHUNK, kv.layout.token_range)
+    return out.view(S, hq, d).to(q.dtype)
 
 
 class _PagedLayout:
@@ -255,18 +268,19 @@ class _PagedLayout:
         bounds = query_start_loc.tolist()
         self.starts, self.lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
         self.padded = 0 in self.lens or bounds[-1] < q.shape[0]
-        self.token = None
+        self.token, self.decode = None, False
         if self.padded:
             return
         self.width = width = max(self.lens)
         self.seq_lens = seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
         if min(self.lens) == width:      # e.g. decode: positions seq_len - width .. seq_len - 1, none past the end
-            qpos = (seq_lens - width)[:, None] + torch.arange(width, device=q.device)[None, :]
+            qpos = seq_lens[:, None] + torch.arange(-width, 0, device=q.device)
         else:
             n_new = torch.tensor(self.lens, device=q.device)
             qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
             qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
-        self.qpos, self.rows_qpos = qpos, qpos.repeat(1, q.shape[1] // key_cache.shape[2])
+        # [S, G * width]: qpos.repeat(1, G) (its 13 us here 5)
+        self.qpos, self.rows_qpos = qpos, qpos.unsqueeze(1).expand(-1, q.shape[1] // key_cache.shape[2], -1).flatten(1)
         self.table = block_table.to(device=q.device, dtype=torch.long)
         self.walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
         if q.is_cpu and key_cache.dtype in native.DTYPES:
@@ -274,6 +288,8 @@ class _PagedLayout:
             self.token = native.paged_tokens(self.table, seq_lens, self.walked, key_cache.shape[1],
                                              *key_cache.stride()[:2])
             self.token_range = tuple(int(t) for t in self.token.aminmax())
+            # q's rows are the requests' one new token each, in order (attention_paged's _decode)
+            self.decode = width == 1 and bounds[0] == 0 and bounds[-1] == q.shape[0]
 
     @classmethod
     def of(cls, q, key_cache, block_table, seq_lens, query_start_loc):
