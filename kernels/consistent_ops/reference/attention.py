@@ -279,8 +279,9 @@ class _PagedLayout:
             n_new = torch.tensor(self.lens, device=q.device)
             qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
             qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
-        # [S, G * width]: qpos.repeat(1, G) (its 13 us here 5)
-        self.qpos, self.rows_qpos = qpos, qpos.unsqueeze(1).expand(-1, q.shape[1] // key_cache.shape[2], -1).flatten(1)
+        # [S, G * width], contiguous (native.attend would copy it every layer): qpos.repeat(1, G) in half its time
+        rows = qpos.unsqueeze(1).expand(-1, q.shape[1] // key_cache.shape[2], -1)
+        self.qpos, self.rows_qpos = qpos, rows.contiguous().flatten(1)
         self.table = block_table.to(device=q.device, dtype=torch.long)
         self.walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
         if q.is_cpu and key_cache.dtype in native.DTYPES:

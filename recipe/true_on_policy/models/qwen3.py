@@ -47,11 +47,12 @@ class Attention(nn.Module):
 
     def qkv(self, x, rope):
         """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
-        projections, norms = (self.q_proj, self.k_proj, self.v_proj), (self.q_norm, self.k_norm)
-        if self.fused and self.q_proj.bias is None and not _hooked(*projections, *norms):
-            out = co.attention_prologue(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-                                        self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
-                                        self.head_dim)
+        # each submodule fetched once: nn.Module.__getattr__ costs ~1 us a lookup, a decode layer ~30 of them
+        qp, kp, vp, qn, kn = self.q_proj, self.k_proj, self.v_proj, self.q_norm, self.k_norm
+        projections, norms = (qp, kp, vp), (qn, kn)
+        if self.fused and qp.bias is None and not _hooked(*projections, *norms):
+            out = co.attention_prologue(x, qp.weight, kp.weight, vp.weight, qn.weight, kn.weight, qn.eps, rope.cos,
+                                        rope.sin, self.head_dim)
             if out is not None:
                 return out
         t, d = x.shape[0], self.head_dim
@@ -60,14 +61,14 @@ class Attention(nn.Module):
             out = co.linear(x, self.qkv_weight.to(x.dtype)).split([m.weight.shape[0] for m in projections], 1)
             q, k, v = (part.view(t, -1, d) for part in out)
             # the norms, RoPE and v's copy read q/k/v in place, in one call where the backend has one
-            fused = None if _hooked(*norms) else co.qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight,
-                                                                 self.q_norm.eps, rope.cos, rope.sin)
+            fused = None if _hooked(*norms) else co.qk_norm_rope(q, k, v, qn.weight, kn.weight, qn.eps, rope.cos,
+                                                                 rope.sin)
             if fused is not None:
                 return fused
             v = v.contiguous()
         else:
             q, k, v = (m(x).view(t, -1, d) for m in projections)
-        return rope.apply(self.q_norm(q)), rope.apply(self.k_norm(k)), v
+        return rope.apply(qn(q)), rope.apply(kn(k)), v
 
     def heads(self, x, rope, attend):
         """The attention output [T, Hq * D] (o_proj's input)."""
@@ -247,7 +248,8 @@ class DecoderLayer(nn.Module):
     def _attention(self, h, residual, rope, attend):
         """Attention and the post-attention residual add + RMSNorm; in the rollout o_proj, the add
         and the norm are one call where the backend has one (the same bits)."""
-        attn, o, norm = self.self_attn, self.self_attn.o_proj, self.post_attention_layernorm
+        attn, norm = self.self_attn, self.post_attention_layernorm
+        o = attn.o_proj
         if attn.fused and o.tp.size == 1 and o.bias is None and not _hooked(attn, o, norm):
             heads = attn.heads(h, rope, attend)
             out = co.linear_add_rms_norm(heads, o.weight, residual, norm.weight, norm.eps)
