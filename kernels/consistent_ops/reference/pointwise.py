@@ -7,12 +7,22 @@ from . import native
 from .core import exp32, recording
 
 
+_INV_FREQ = {}      # CPU: repr((head_dim, theta, scaling)) -> rope_inv_freq of those (a function of them alone)
+
+
 def rope_cos_sin(positions, head_dim, theta, scaling=None):
     """cos, sin [T, head_dim/2] fp32 for integer positions [T]; each row depends on its
     position alone (fp64 angles and trig, one rounding), never on the table length.
     ``scaling``: None (plain RoPE) or the resolved parameters of a scaled RoPE (contract "rope")."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    if positions.is_cpu:    # the frequencies once per parameter set, not every forward (~20 us at decode)
+        key = repr((head_dim, theta, scaling))
+        inv_freq = _INV_FREQ.get(key)
+        if inv_freq is None:
+            with torch.inference_mode(False):       # a plain tensor, usable in and out of inference mode
+                inv_freq = _INV_FREQ[key] = rope_inv_freq(head_dim, theta, scaling)
+    else:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
+    angles = positions.to(torch.float64).unsqueeze(1) * inv_freq
     cos, sin = torch.cos(angles), torch.sin(angles)
     if scaling and scaling.get("attention_factor", 1.0) != 1.0:
         cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
