@@ -7,19 +7,20 @@ from . import native
 from .core import exp32, recording
 
 
-_INV_FREQ = {}      # CPU: repr((head_dim, theta, scaling)) -> rope_inv_freq of those (a function of them alone)
+_INV_FREQ = {}      # repr((head_dim, theta, scaling)) -> rope_inv_freq of those (a function of them alone), CPU
 
 
 def rope_cos_sin(positions, head_dim, theta, scaling=None):
     """cos, sin [T, head_dim/2] fp32 for integer positions [T]; each row depends on its
     position alone (fp64 angles and trig, one rounding), never on the table length.
     ``scaling``: None (plain RoPE) or the resolved parameters of a scaled RoPE (contract "rope")."""
-    if positions.is_cpu:    # the frequencies once per parameter set, not every forward (~20 us at decode)
+    if positions.is_cpu and torch.is_inference_mode_enabled():
+        # the rollout: the frequencies once per parameter set, not every forward (~20 us at decode); as
+        # core.kept, only under inference mode (made and used there; no tracing or autograd around them)
         key = repr((head_dim, theta, scaling))
         inv_freq = _INV_FREQ.get(key)
         if inv_freq is None:
-            with torch.inference_mode(False):       # a plain tensor, usable in and out of inference mode
-                inv_freq = _INV_FREQ[key] = rope_inv_freq(head_dim, theta, scaling)
+            inv_freq = _INV_FREQ[key] = rope_inv_freq(head_dim, theta, scaling)
     else:
         inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.to(torch.float64).unsqueeze(1) * inv_freq
