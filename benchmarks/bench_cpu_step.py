@@ -123,9 +123,7 @@ def stubbed():
 # ----------------------------------------------------------------------------- one run: prefill + decode
 def _split(kv):
     """vLLM 0.31 layer cache [pages, Hkv, page, Dk + Dv] -> K, V views (vllm/compat.py split_kv_cache)."""
-    paged = kv.permute(0, 2, 1, 3)
-    d = paged.shape[-1] // 2
-    return paged[..., :d], paged[..., d:]
+    return kv.permute(0, 2, 1, 3).chunk(2, -1)
 
 
 def run_ours(model, prompts, steps, page, profiler=None):
@@ -147,7 +145,8 @@ def run_ours(model, prompts, steps, page, profiler=None):
         k_cache, v_cache = _split(caches[i])
         output[:t] = co.attention_paged(q[:t], k_cache, v_cache, meta["table"], meta["seq_lens"], meta["qsl"],
                                         max_query_len=meta["max_query_len"])
-        output[t:] = 0
+        if t < output.shape[0]:
+            output[t:] = 0
         return output
 
     def step(tokens, start, width, profiler=None):

@@ -93,7 +93,7 @@ def _attend(q, qpos, kv, scale):
     _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype.
     On CPU every forward (trainer and rollout, with or without autograd) is native.attend;
     elsewhere the torch ops of _attend_torch."""
-    if q.device.type != "cpu" or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
+    if not q.is_cpu or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
         return _attend_torch(q, qpos, kv, scale)
     if recording(q, kv.k, kv.v):
         return _NativeAttention.apply(q, kv.k, kv.v, qpos, scale)
@@ -211,7 +211,7 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     """Store this step's K/V before attention reads them (prefill and decode then
     reduce over the same cache). Caches [pages, page_size, Hkv, D]; slot -1 = padding."""
-    if (key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+    if (key.is_cpu and key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
             and key_cache.stride() == value_cache.stride() and key.shape == value.shape
             and key.shape[1:] == key_cache.shape[2:]             # (the torch write below also broadcasts)
             and key.shape[0] == slot_mapping.shape[0] and not recording(key, value)):
@@ -234,12 +234,25 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     layout = _PagedLayout.of(q, key_cache, block_table, seq_lens, query_start_loc)
     if layout.padded:    # padding (a padded capture size): rows of no request are 0
         return _padded_batch(q, key_cache, value_cache, block_table, seq_lens, layout.starts, layout.lens, scale)
-    qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
-    if layout.token is not None:
-        kv = _PagedKV(key_cache, value_cache, layout)
-    else:
+    if layout.token is None:
         kv = _gathered_kv(key_cache, value_cache, layout.table, layout.seq_lens, layout.walked)
+    else:
+        kv = _PagedKV(key_cache, value_cache, layout)
+        if layout.decode and q.dtype in native.DTYPES and not recording(q, key_cache, value_cache):
+            return _decode(q, kv, scale)
+    qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
     return _unpad_rows(_attend(qp, layout.qpos, kv, scale), layout.lens)
+
+
+def _decode(q, kv, scale):
+    """_attend_native for one new token per sequence, q [S, Hq, D] (CPU inference): q read as
+    native.attend's [S, Hkv, G, D] query rows and its output as [S, Hq, D], views (what _pad_rows,
+    _rows, _unrows and _unpad_rows make of them in 8 reshapes and permutes)."""
+    k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
+    S, hq, d = q.shape
+    out = native.attend(q.reshape(S, kv.hkv, hq // kv.hkv, d), k, v, token, head_stride, dim_stride,
+                        kv.layout.rows_qpos, seq_lens, scale, KV_CHUNK, kv.layout.token_range)
+    return out.view(S, hq, d).to(q.dtype)
 
 
 class _PagedLayout:
@@ -255,25 +268,29 @@ class _PagedLayout:
         bounds = query_start_loc.tolist()
         self.starts, self.lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
         self.padded = 0 in self.lens or bounds[-1] < q.shape[0]
-        self.token = None
+        self.token, self.decode = None, False
         if self.padded:
             return
         self.width = width = max(self.lens)
         self.seq_lens = seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
         if min(self.lens) == width:      # e.g. decode: positions seq_len - width .. seq_len - 1, none past the end
-            qpos = (seq_lens - width)[:, None] + torch.arange(width, device=q.device)[None, :]
+            qpos = seq_lens[:, None] + torch.arange(-width, 0, device=q.device)
         else:
             n_new = torch.tensor(self.lens, device=q.device)
             qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
             qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
-        self.qpos, self.rows_qpos = qpos, qpos.repeat(1, q.shape[1] // key_cache.shape[2])
+        # [S, G * width], contiguous (native.attend would copy it every layer): qpos.repeat(1, G) in half its time
+        rows = qpos.unsqueeze(1).expand(-1, q.shape[1] // key_cache.shape[2], -1)
+        self.qpos, self.rows_qpos = qpos, rows.contiguous().flatten(1)
         self.table = block_table.to(device=q.device, dtype=torch.long)
         self.walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
-        if q.device.type == "cpu" and key_cache.dtype in native.DTYPES:
+        if q.is_cpu and key_cache.dtype in native.DTYPES:
             # [S, L]; columns past a sequence's last page repeat it (masked keys; V reads as zero there).
             self.token = native.paged_tokens(self.table, seq_lens, self.walked, key_cache.shape[1],
                                              *key_cache.stride()[:2])
             self.token_range = tuple(int(t) for t in self.token.aminmax())
+            # q's rows are the requests' one new token each, in order (attention_paged's _decode)
+            self.decode = width == 1 and bounds[0] == 0 and bounds[-1] == q.shape[0]
 
     @classmethod
     def of(cls, q, key_cache, block_table, seq_lens, query_start_loc):

@@ -88,7 +88,7 @@ def matmul32(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     BLAS rounded once (the same bits whenever the fp64 sum is exact).
     rows [E] (a 3-D a of E entries): only the first rows[e] rows of entry e are computed,
     the others are 0 (padded MoE groups; on CPU an empty expert costs nothing)."""
-    if a.device.type != "cpu":
+    if not a.is_cpu:
         out = torch.matmul(to64(a), to64(b)).float()
         return out if rows is None else _first_rows(out, rows)
     if recording(a, b):
@@ -127,6 +127,6 @@ def inv_sqrt32(x: torch.Tensor) -> torch.Tensor:
     native code: torch's CPU sqrt is not correctly rounded (seen: last-bit differences
     from sqrtf), and the fused native RMSNorm must produce the same bits."""
     x = x.float()
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         return 1.0 / torch.sqrt(x)
     return _InvSqrt.apply(x) if recording(x) else native.inv_sqrt(x)

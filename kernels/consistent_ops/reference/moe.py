@@ -119,7 +119,7 @@ def _native(x, experts, local, weights):
     """Whether the experts run as one native call (CPU inference in the fp32/bf16 realisations,
     a stack of contiguous local ids in x's dtype): the same dots of the same rows as the torch
     path below, minus its ~30 gathers, scatters and pointwise ops a layer."""
-    return (x.device.type == "cpu" and x.dtype in native.ACTIVATIONS and x.shape[0] > 0 and isinstance(experts, ExpertStack)
+    return (x.is_cpu and x.dtype in native.ACTIVATIONS and x.shape[0] > 0 and isinstance(experts, ExpertStack)
             and experts.local == list(local) and local == list(range(local[0], local[0] + len(local)))
             and experts.gate_up.dtype == x.dtype and experts.down.dtype == x.dtype
             and native.accumulation() != "fp64" and not recording(x, weights, experts.gate_up, experts.down))

@@ -9,7 +9,7 @@ from .core import inv_sqrt32, matmul32, recording
 
 
 def _native(x, residual, weight):
-    return (x.device.type == "cpu" and x.dtype in native.ACTIVATIONS
+    return (x.is_cpu and x.dtype in native.ACTIVATIONS
             and (residual is None or residual.dtype == x.dtype)
             and not recording(x, residual, weight))
 

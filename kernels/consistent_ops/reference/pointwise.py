@@ -7,12 +7,23 @@ from . import native
 from .core import exp32, recording
 
 
+_INV_FREQ = {}      # repr((head_dim, theta, scaling)) -> rope_inv_freq of those (a function of them alone), CPU
+
+
 def rope_cos_sin(positions, head_dim, theta, scaling=None):
     """cos, sin [T, head_dim/2] fp32 for integer positions [T]; each row depends on its
     position alone (fp64 angles and trig, one rounding), never on the table length.
     ``scaling``: None (plain RoPE) or the resolved parameters of a scaled RoPE (contract "rope")."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    if positions.is_cpu and torch.is_inference_mode_enabled():
+        # the rollout: the frequencies once per parameter set, not every forward (~20 us at decode); as
+        # core.kept, only under inference mode (made and used there; no tracing or autograd around them)
+        key = repr((head_dim, theta, scaling))
+        inv_freq = _INV_FREQ.get(key)
+        if inv_freq is None:
+            inv_freq = _INV_FREQ[key] = rope_inv_freq(head_dim, theta, scaling)
+    else:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
+    angles = positions.to(torch.float64).unsqueeze(1) * inv_freq
     cos, sin = torch.cos(angles), torch.sin(angles)
     if scaling and scaling.get("attention_factor", 1.0) != 1.0:
         cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
@@ -50,7 +61,7 @@ def _yarn_range(d, theta, s):
 def apply_rope(x, cos, sin):
     """Neox rotate-half on x [T, H, D] in fp32, rounded to x's dtype (on CPU without autograd the
     same steps in one native call)."""
-    if (x.device.type == "cpu" and x.dtype in native.ACTIVATIONS and x.dim() == 3 and cos.shape == sin.shape
+    if (x.is_cpu and x.dtype in native.ACTIVATIONS and x.dim() == 3 and cos.shape == sin.shape
             == (x.shape[0], x.shape[2] // 2) and not recording(x, cos, sin)):
         return native.apply_rope(x, cos, sin)
     half = x.shape[-1] // 2
@@ -63,7 +74,7 @@ def silu_mul(gate, up):
     """On CPU in the fp32/bf16 realisations one native call (native.silu_mul: exp by the attention's
     polynomial, contract.CPU_ACCUMULATION "silu_mul"), with or without autograd, so the trainer and
     the rollout share it; elsewhere (and in the fp64 realisation) the torch steps below."""
-    if (gate.device.type == "cpu" and gate.dtype in native.ACTIVATIONS and up.dtype == gate.dtype
+    if (gate.is_cpu and gate.dtype in native.ACTIVATIONS and up.dtype == gate.dtype
             and native.accumulation() != "fp64"):
         return _NativeSiluMul.apply(gate, up) if recording(gate, up) else native.silu_mul(gate, up)
     return _silu_mul_torch(gate, up)

@@ -47,11 +47,10 @@ class Attention(nn.Module):
 
     def qkv(self, x, rope):
         """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
-        projections, norms = (self.q_proj, self.k_proj, self.v_proj), (self.q_norm, self.k_norm)
-        if self.fused and self.q_proj.bias is None and not _hooked(*projections, *norms):
-            out = co.attention_prologue(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-                                        self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope.cos, rope.sin,
-                                        self.head_dim)
+        qp, kp, vp, qn, kn = _children(self, "q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
+        projections, norms = (qp, kp, vp), (qn, kn)
+        if self.fused and qp.bias is None and not _hooked(*projections, *norms):
+            out = co.attention_prologue(x, *_weights(qp, kp, vp, qn, kn), qn.eps, rope.cos, rope.sin, self.head_dim)
             if out is not None:
                 return out
         t, d = x.shape[0], self.head_dim
@@ -60,14 +59,14 @@ class Attention(nn.Module):
             out = co.linear(x, self.qkv_weight.to(x.dtype)).split([m.weight.shape[0] for m in projections], 1)
             q, k, v = (part.view(t, -1, d) for part in out)
             # the norms, RoPE and v's copy read q/k/v in place, in one call where the backend has one
-            fused = None if _hooked(*norms) else co.qk_norm_rope(q, k, v, self.q_norm.weight, self.k_norm.weight,
-                                                                 self.q_norm.eps, rope.cos, rope.sin)
+            fused = None if _hooked(*norms) else co.qk_norm_rope(q, k, v, qn.weight, kn.weight, qn.eps, rope.cos,
+                                                                 rope.sin)
             if fused is not None:
                 return fused
             v = v.contiguous()
         else:
             q, k, v = (m(x).view(t, -1, d) for m in projections)
-        return rope.apply(self.q_norm(q)), rope.apply(self.k_norm(k)), v
+        return rope.apply(qn(q)), rope.apply(kn(k)), v
 
     def heads(self, x, rope, attend):
         """The attention output [T, Hq * D] (o_proj's input)."""
@@ -112,6 +111,19 @@ def _rows_of(stacked, linears):
     return True
 
 
+def _children(module, *names):
+    """module's submodules by name, as ``module.name`` gives them: nn.Module.__getattr__ costs ~1.2 us a
+    lookup on Python 3.11 (the failed instance lookup raises first), and a decode layer made ~25."""
+    children = module._modules
+    return [children[n] for n in names]
+
+
+def _weights(*modules):
+    """The modules' ``weight`` parameters (see _children), for the rollout's fused calls: there every
+    module is the rollout's own, its weight registered (FSDP's trainer modules may hold plain tensors)."""
+    return [m._parameters["weight"] for m in modules]
+
+
 def _hooked(*modules):
     """Whether a forward hook sits on any of these modules (check --localize's capture and its
     test perturbation): a fused call would skip it."""
@@ -127,9 +139,9 @@ class MLP(nn.Module):
         self.fused = False      # as Attention.fused
 
     def forward(self, x):
-        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        g, u, d = _children(self, "gate_proj", "up_proj", "down_proj")
         if self.fused and d.tp.size == 1 and not _hooked(g, u, d):
-            out = co.mlp(x, g.weight, u.weight, d.weight)
+            out = co.mlp(x, *_weights(g, u, d))
             if out is not None:
                 return out
         return d(co.silu_mul(g(x), u(x)))
@@ -217,8 +229,9 @@ class SparseMoeBlock(nn.Module):
         self.fused = False      # as Attention.fused
 
     def forward(self, x):
-        whole = self.experts.stack(x.dtype) if self.fused and not self.tp.sharded else None
-        return moe_mix(x, self.gate.weight, self.top_k, self.norm_topk_prob,
+        experts, gate = _children(self, "experts", "gate")
+        whole = experts.stack(x.dtype) if self.fused and not self.tp.sharded else None
+        return moe_mix(x, gate.weight, self.top_k, self.norm_topk_prob,
                        lambda ids, w: self._contributions(x, ids, w), whole)
 
     def _contributions(self, x, ids, w):
@@ -240,17 +253,19 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, residual, rope, attend):
         """HF order: x = x + attn(norm(x)); x = x + mlp(norm(x)); the residual add is
         fused into the next norm (the same bf16 add either way)."""
-        h, residual = self.input_layernorm(hidden, residual, fuse_residual=True)
+        norm, mlp = _children(self, "input_layernorm", "mlp")
+        h, residual = norm(hidden, residual, fuse_residual=True)
         h, residual = self._attention(h, residual, rope, attend)
-        return self.mlp(h), residual
+        return mlp(h), residual
 
     def _attention(self, h, residual, rope, attend):
         """Attention and the post-attention residual add + RMSNorm; in the rollout o_proj, the add
         and the norm are one call where the backend has one (the same bits)."""
-        attn, o, norm = self.self_attn, self.self_attn.o_proj, self.post_attention_layernorm
+        attn, norm = _children(self, "self_attn", "post_attention_layernorm")
+        o, = _children(attn, "o_proj")
         if attn.fused and o.tp.size == 1 and o.bias is None and not _hooked(attn, o, norm):
             heads = attn.heads(h, rope, attend)
-            out = co.linear_add_rms_norm(heads, o.weight, residual, norm.weight, norm.eps)
+            out = co.linear_add_rms_norm(heads, *_weights(o), residual, *_weights(norm), norm.eps)
             return out if out is not None else norm(o(heads), residual, fuse_residual=True)
         return norm(attn(h, rope, attend), residual, fuse_residual=True)
 

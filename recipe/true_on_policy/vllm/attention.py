@@ -178,5 +178,6 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
                 output[:n] = out
             else:
                 output[g.rows] = out
-        output[n:] = 0                     # padded rows: defined, never read
+        if n < output.shape[0]:
+            output[n:] = 0                 # padded rows: defined, never read
         return output
