@@ -121,14 +121,10 @@ def stubbed():
 
 
 # ----------------------------------------------------------------------------- one run: prefill + decode
-def _split(kv):
-    """vLLM 0.31 layer cache [pages, Hkv, page, Dk + Dv] -> K, V views (vllm/compat.py split_kv_cache)."""
-    return kv.permute(0, 2, 1, 3).chunk(2, -1)
-
-
 def run_ours(model, prompts, steps, page, profiler=None):
     """Prefill, then steps greedy decode steps, through the plugin's attention calls as vLLM drives them.
     Returns (prefill s, [decode s], sha256 of every step's fp32 logits)."""
+    from true_on_policy.vllm.compat import split_kv_cache     # the adapter's own view of vLLM 0.31's cache
     cfg = model.cfg
     n, plen = len(prompts), len(prompts[0])
     per_seq = -(-(plen + steps + 64) // page)              # bench_rollout's max_model_len, in pages
@@ -139,10 +135,10 @@ def run_ours(model, prompts, steps, page, profiler=None):
 
     def attend(i, q, k, v):     # vLLM's Attention layer: impl.do_kv_cache_update, then impl.forward
         t = meta["t"]
-        k_cache, v_cache = _split(caches[i])
+        k_cache, v_cache = split_kv_cache(caches[i])
         co.write_kv_cache(k, v, k_cache, v_cache, meta["slots"][:t])
         output = torch.empty_like(q)
-        k_cache, v_cache = _split(caches[i])
+        k_cache, v_cache = split_kv_cache(caches[i])
         output[:t] = co.attention_paged(q[:t], k_cache, v_cache, meta["table"], meta["seq_lens"], meta["qsl"],
                                         max_query_len=meta["max_query_len"])
         if t < output.shape[0]:
