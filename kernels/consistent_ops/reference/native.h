@@ -16,18 +16,21 @@ enum { F64 = 0, F32 = 1, BF16 = 2 };
 
 static const int64_t ELEM[] = {8, 4, 2};
 
-/* One growing buffer per thread (and per kernel file) for widened rows: never freed, so no
- * allocation per call. */
-static void *scratch_bytes(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (bytes > cap) {
-        free(buf);
-        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        cap = buf ? bytes : 0;
+/* Growing buffers per thread (and per kernel file) for widened rows: never freed, so no
+ * allocation per call. Slot 0 is a call's own (scratch_bytes); slot 1 is for a kernel that runs
+ * inside a call holding slot 0 (dot32.c block_tiles' packed tiles). */
+static void *scratch_slot(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        cap[slot] = buf[slot] ? bytes : 0;
     }
-    return buf;
+    return buf[slot];
 }
+
+static inline void *scratch_bytes(size_t bytes) { return scratch_slot(0, bytes); }
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
