@@ -38,6 +38,7 @@ def test_each_case_runs_in_its_own_realisation(monkeypatch):
     set when made, so every case ran the last one's)."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.setenv("CONSISTENT_OPS_CPU_ACCUMULATION", "fp32")
+    monkeypatch.setenv(native.AMX_ENV, "0")
     sys.modules.pop("bench_cpu_dot", None)
     import bench_cpu_dot
     a, w = torch.randn(8, 300).bfloat16(), torch.randn(16, 300).bfloat16()
@@ -45,3 +46,7 @@ def test_each_case_runs_in_its_own_realisation(monkeypatch):
     pairs = native.dot32p_matmul(a, w.t())
     assert not torch.equal(pairs, native.dot32_matmul(a, w.t()))
     assert torch.equal(cases["fp32"](), native.dot32_matmul(a, w.t())) and torch.equal(cases["bf16"](), pairs)
+    tiles = bench_cpu_dot.ours("bf16", a, w, "emulate")            # the amx case's engine, emulated here
+    assert torch.equal(tiles(), pairs) and native.amx_engine() == "emulate"
+    cases["bf16"]()
+    assert native.amx_engine() == "off"
