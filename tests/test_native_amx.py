@@ -1,7 +1,8 @@
 """The bf16 realisation's AMX engine (dot32.c block_tiles, $CONSISTENT_OPS_CPU_AMX): each lane of each
 output its own TDPBF16PS chain, the pairs packed swapped, the lanes in finish16's tree. Here it runs
 in its C emulation of the instruction (the engine's whole data path: packing, swapping, tail tiles,
-tree; no AMX needed) and must give the bits of the VDPBF16PS pair path (block_pairs) bit for bit,
+tree; no AMX needed), and on AMX itself where the CPU and Linux allow it (else those cases skip), and
+must give the bits of the VDPBF16PS pair path (block_pairs) bit for bit,
 -0 and NaN positions included, over shapes, hard inputs, layouts and the fused calls that go through
 dot_pairs. Companions: the emulation made wrong in each way the order could be (pairs not swapped,
 no DAZ, no FTZ, one rounding a pair, another lane tree) differs on inputs built to show it."""
@@ -19,6 +20,15 @@ def _bf16(monkeypatch):
     monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, "bf16")
 
 
+@pytest.fixture(params=["emulate", "1"])
+def engine(request, monkeypatch):
+    """The tiles' engine under test: the C emulation, and AMX (CONSISTENT_OPS_CPU_AMX=1) where it runs."""
+    monkeypatch.setenv(native.AMX_ENV, request.param)
+    if native.amx_engine() == "off":
+        pytest.skip("no AMX-BF16 here (or Linux refused tile data)")
+    return request.param
+
+
 def bits(t):
     """t's bit patterns as int32 (so -0 != +0), every NaN one pattern (the tree's operand order may
     pick its payload, in either engine)."""
@@ -28,11 +38,11 @@ def bits(t):
     return b
 
 
-def both(monkeypatch, fn, variant=0):
-    """fn() on the pair path and on the emulated tiles (in the given test-only variant)."""
+def both(monkeypatch, fn, variant=0, engine="emulate"):
+    """fn() on the pair path and on the tiles (emulated: in the given test-only variant)."""
     monkeypatch.setenv(native.AMX_ENV, "off")
     ref = fn()
-    monkeypatch.setenv(native.AMX_ENV, "emulate")
+    monkeypatch.setenv(native.AMX_ENV, engine)
     native.library().dot32_tiles_variant(variant)
     try:
         got = fn()
@@ -67,11 +77,11 @@ def test_the_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("k", [1, 2, 31, 32, 33, 64, 100, 4096])
-def test_same_bits_for_every_shape(k, monkeypatch):
+def test_same_bits_for_every_shape(k, monkeypatch, engine):
     a, w = _x(64, k, seed=1), _x(33, k, seed=2)
     shapes = [(m, n) for m in (1, 2, 3, 4, 5, 17, 64) for n in (1, 3, 16, 17, 33)]
     for m, n in shapes if k < 4096 else [(1, 1), (5, 17), (17, 33), (64, 16)]:
-        assert same(both(monkeypatch, lambda: [native.dot32p_matmul(a[:m], w[:n].t())])), (m, n, k)
+        assert same(both(monkeypatch, lambda: [native.dot32p_matmul(a[:m], w[:n].t())], engine=engine)), (m, n, k)
 
 
 def _hard(kind, k, seed):
@@ -94,11 +104,11 @@ def _hard(kind, k, seed):
 
 
 @pytest.mark.parametrize("kind", ["denormal", "tiny", "cancel", "special"])
-def test_same_bits_on_hard_inputs(kind, monkeypatch):
+def test_same_bits_on_hard_inputs(kind, monkeypatch, engine):
     seen = []
     for k in (31, 32, 33, 64, 100):
         a, b = _hard(kind, k, 3), _hard(kind, k, 4)
-        ref, got = both(monkeypatch, lambda: [native.dot32p_matmul(a, b.t())])
+        ref, got = both(monkeypatch, lambda: [native.dot32p_matmul(a, b.t())], engine=engine)
         assert same((ref, got)), (kind, k)
         seen.append(bits(ref[0]).flatten())
     seen = torch.cat(seen)
@@ -106,17 +116,17 @@ def test_same_bits_on_hard_inputs(kind, monkeypatch):
         assert (seen == 0x7FC00000).any() and (seen == 0x7F800000).any()
 
 
-def test_a_lane_of_negative_zeros_stays_as_the_pair_path_leaves_it(monkeypatch):
+def test_a_lane_of_negative_zeros_stays_as_the_pair_path_leaves_it(monkeypatch, engine):
     """Products of -2^-140 flush to -0 in every lane: with K a multiple of 32 the output is -0; K = 33
     pads lanes 1-15 with +0 . +0 pairs, which make them +0 (and the output +0) on the pair path: the
     tiles' own padding (+0 . -0 products) must add nothing beyond that."""
     for k, sign in ((31, -0.0), (32, -0.0), (64, -0.0), (33, 0.0), (100, 0.0)):
         a, b = torch.full((3, k), -(2.0 ** -70)).bfloat16(), torch.full((5, k), 2.0 ** -70).bfloat16()
-        ref, got = both(monkeypatch, lambda: [native.dot32p_matmul(a, b.t())])
+        ref, got = both(monkeypatch, lambda: [native.dot32p_matmul(a, b.t())], engine=engine)
         assert torch.equal(bits(ref[0]), bits(torch.full((3, 5), sign))) and same((ref, got)), k
 
 
-def test_same_bits_for_any_layout_batch_and_threads(monkeypatch):
+def test_same_bits_for_any_layout_batch_and_threads(monkeypatch, engine):
     a, w = _x(40, 300, seed=5), _x(70, 300, seed=6)
     a3, b3 = _x(2, 9, 64, seed=7), _x(2, 64, 13, seed=8)
     calls = lambda: [native.dot32p_matmul(a, w.t()), native.dot32p_matmul(a, w.t().contiguous()),   # B contiguous in n
@@ -124,18 +134,18 @@ def test_same_bits_for_any_layout_batch_and_threads(monkeypatch):
                      native.dot32p_matmul(a[::3], w[::2].t()), native.dot32p_matmul(a[:, :256], w[:, :256].t()),
                      native.dot32p_matmul(a3, b3), native.dot32p_matmul(a3, b3, rows=torch.tensor([4, 0])),
                      native.dot32p_matmul(a3.expand(2, 2, 9, 64), b3)]
-    assert same(both(monkeypatch, calls))
+    assert same(both(monkeypatch, calls, engine=engine))
     big = _x(64, 256, seed=9), _x(70, 256, seed=10)                 # enough work for the OpenMP split
     old = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            assert same(both(monkeypatch, lambda: [native.dot32p_matmul(big[0], big[1].t())]))
+            assert same(both(monkeypatch, lambda: [native.dot32p_matmul(big[0], big[1].t())], engine=engine))
     finally:
         torch.set_num_threads(old)
 
 
-def test_fused_calls_through_dot_pairs(monkeypatch):
+def test_fused_calls_through_dot_pairs(monkeypatch, engine):
     """The fused rollout calls go through dot_pairs: the same bits on the tiles; on all-denormal
     activations against 2^120 weights the no-DAZ variant changes them (so the tiles really ran)."""
     def calls(scale, x):
@@ -153,10 +163,10 @@ def test_fused_calls_through_dot_pairs(monkeypatch):
                         *native.moe_experts(x, ids, wts, gu, dn, 2, combine=True)[::2]]
     with torch.inference_mode():
         for t in (1, 37, 130):
-            assert same(both(monkeypatch, calls(1 / 16, _x(t, 256, seed=22)))), t
+            assert same(both(monkeypatch, calls(1 / 16, _x(t, 256, seed=22)), engine=engine)), t
         g = torch.Generator().manual_seed(23)
         den = _bf16_bits((torch.randint(1, 128, (37, 256), generator=g) | torch.randint(0, 2, (37, 256), generator=g) << 15).tolist())
-        assert same(both(monkeypatch, calls(2.0 ** 120, den)))
+        assert same(both(monkeypatch, calls(2.0 ** 120, den), engine=engine))
         ref, got = both(monkeypatch, calls(2.0 ** 120, den), NO_DAZ)
         assert all(not torch.equal(bits(x), bits(y)) for x, y in zip(ref, got))
 
