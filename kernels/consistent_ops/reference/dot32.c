@@ -127,9 +127,11 @@ static inline void finish16x4(v16 a, v16 b, v16 c, v16 d, float *r) {
 #endif
 }
 
-/* finish16 of 16 accumulators c[0..15] into r[0..15]: one tree step for all of them at a time (AVX-512:
- * each add adds the same two lanes as finish16x4's; 31 shuffles and 15 adds where four finish16x4 take
- * 36 and 20). As there, a NaN's payload is the compiler's pick of operand order; NaN positions are not. */
+/* finish16 of 16 accumulators c[0..15], transposed: r[4k + m] = finish16(c[4m + k]) (a block of
+ * accumulators c[4 * column + row] comes out in rows of 4). One tree step for all of them at a time
+ * (AVX-512: each add adds the same two lanes as finish16x4's; 30 shuffles and 15 adds where four
+ * finish16x4 take 36 and 20). As there, a NaN's payload is the compiler's pick of operand order;
+ * NaN positions are not. */
 static inline void finish16x16(const v16 *c, float *r) {
 #if defined(__AVX512F__)
     __m512 t[8], u[4], w[2];
@@ -141,11 +143,14 @@ static inline void finish16x16(const v16 *c, float *r) {
                              _mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0xDD));
     for (int p = 0; p < 2; p++)   /* quarter k: w_0, w_1 of c[8p + k], then of c[8p + 4 + k] (u_0+u_2, u_1+u_3) */
         w[p] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0x44), _mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0xEE));
-    /* quarter k: w_0 + w_1 of c[k], c[4 + k], c[8 + k], c[12 + k]; the permutation puts c[i]'s at i */
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
-    _mm512_storeu_ps(r, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), f));
+    /* quarter k: w_0 + w_1 of c[k], c[4 + k], c[8 + k], c[12 + k] */
+    _mm512_storeu_ps(r, _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD)));
 #else
-    for (int i = 0; i < 16; i += 4) finish16x4(c[i], c[i + 1], c[i + 2], c[i + 3], r + i);
+    for (int m = 0; m < 4; m++) {
+        float f[4];
+        finish16x4(c[4 * m], c[4 * m + 1], c[4 * m + 2], c[4 * m + 3], f);
+        for (int k = 0; k < 4; k++) r[4 * k + m] = f[k];
+    }
 #endif
 }
 
@@ -241,18 +246,22 @@ static void widen_b32(const char *base, int dt, int64_t sn, int64_t sk, int64_t 
 static inline float daz_bf16(uint16_t h) { return (h & 0x7F80) ? bf16_to_float(h) : 0.0f * bf16_to_float(h); }
 static inline float ftz32(float x) { return fabsf(x) < 0x1p-126f ? copysignf(0.0f, x) : x; }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-static inline v16 pair16(const uint16_t *a, const uint16_t *b, v16 acc) {
-    v16 r = {_mm512_dpbf16_ps(acc.v, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b))};
+typedef __m512bh p32;   /* 16 pairs of bf16 */
+static inline p32 load_pairs(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
+static inline v16 pair16(p32 a, p32 b, v16 acc) {
+    v16 r = {_mm512_dpbf16_ps(acc.v, a, b)};
     return r;
 }
 #else
-static inline v16 pair16(const uint16_t *a, const uint16_t *b, v16 acc) {
+typedef struct { uint16_t v[2 * LANES]; } p32;
+static inline p32 load_pairs(const uint16_t *p) { p32 r; memcpy(r.v, p, sizeof r.v); return r; }
+static inline v16 pair16(p32 a, p32 b, v16 acc) {
     float l[LANES];
     store16(l, acc);
     for (int j = 0; j < LANES; j++) {
         float c = ftz32(l[j]);
-        c = ftz32(fmaf(daz_bf16(a[2 * j + 1]), daz_bf16(b[2 * j + 1]), c));
-        l[j] = ftz32(fmaf(daz_bf16(a[2 * j]), daz_bf16(b[2 * j]), c));
+        c = ftz32(fmaf(daz_bf16(a.v[2 * j + 1]), daz_bf16(b.v[2 * j + 1]), c));
+        l[j] = ftz32(fmaf(daz_bf16(a.v[2 * j]), daz_bf16(b.v[2 * j]), c));
     }
     return load16(l);
 }
@@ -275,13 +284,15 @@ int dot32_isa(void) {
 
 enum { PAIR_K = 2 * LANES, PAIR_COLS = 4 };   /* register blocks: 4 rows x PAIR_COLS columns */
 
-/* block32 in the pair order (register blocks of 4 x 3 outputs): rows of kp (a multiple of
- * PAIR_K) bf16 values, a row i of A at a + i * lda, a row j of B at b[j] (nr rows, b holds nr
- * rounded up to 3). */
+/* block32 in the pair order (register blocks of 4 x 4 outputs: each 32 k, the block's 4 A rows
+ * and 4 B rows are loaded once each, into registers, for its 16 VDPBF16PS): rows of kp (a multiple
+ * of PAIR_K) bf16 values, a row i of A at a + i * lda, a row j of B at b[j] (nr rows, b holds nr
+ * rounded up to PAIR_COLS). */
 static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16_t *const *b, int64_t nr,
                         int64_t kp, float *out, int64_t ldo) {
     for (int64_t j0 = 0; j0 < nr; j0 += PAIR_COLS) {
         const int64_t nj = nr - j0 < PAIR_COLS ? nr - j0 : PAIR_COLS;
+        const uint16_t *const *bj = b + j0;
         for (int64_t i = 0; i < mr; i += 4) {
             const int64_t mi = mr - i < 4 ? mr - i : 4;
             if (mi < 4) {   /* tail rows (e.g. decode attention's 1-2 rows) alone: no padding rows computed */
@@ -289,25 +300,30 @@ static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16
                     const uint16_t *arow = a + (i + r) * lda;
                     v16 c[PAIR_COLS];
                     for (int64_t t = 0; t < PAIR_COLS; t++) c[t] = zero16();
-                    for (int64_t k = 0; k < kp; k += PAIR_K)
-                        for (int64_t t = 0; t < PAIR_COLS; t++) c[t] = pair16(arow + k, b[j0 + t] + k, c[t]);
+                    for (int64_t k = 0; k < kp; k += PAIR_K) {
+                        const p32 x = load_pairs(arow + k);
+                        for (int64_t t = 0; t < PAIR_COLS; t++) c[t] = pair16(x, load_pairs(bj[t] + k), c[t]);
+                    }
                     float f[4];
                     finish16x4(c[0], c[1], c[2], c[3], f);   /* four independent trees */
                     for (int64_t t = 0; t < nj; t++) out[(i + r) * ldo + j0 + t] = f[t];
                 }
                 continue;
             }
-            const uint16_t *ar[4];
-            for (int64_t r = 0; r < 4; r++) ar[r] = a + (i + (r < mi ? r : 0)) * lda;   /* tail rows: recomputed, not stored */
+            const uint16_t *ar = a + i * lda;
             v16 c[PAIR_COLS][4];
             for (int64_t t = 0; t < PAIR_COLS; t++) c[t][0] = c[t][1] = c[t][2] = c[t][3] = zero16();
-            for (int64_t k = 0; k < kp; k += PAIR_K)
-                for (int64_t t = 0; t < PAIR_COLS; t++)
-                    for (int64_t r = 0; r < 4; r++) c[t][r] = pair16(ar[r] + k, b[j0 + t] + k, c[t][r]);
+            for (int64_t k = 0; k < kp; k += PAIR_K) {
+                p32 x[4];
+                for (int64_t r = 0; r < 4; r++) x[r] = load_pairs(ar + r * lda + k);
+                for (int64_t t = 0; t < PAIR_COLS; t++) {
+                    const p32 y = load_pairs(bj[t] + k);
+                    for (int64_t r = 0; r < 4; r++) c[t][r] = pair16(x[r], y, c[t][r]);
+                }
+            }
             float f[PAIR_COLS * 4];
-            finish16x16(&c[0][0], f);
-            for (int64_t t = 0; t < nj; t++)
-                for (int64_t r = 0; r < mi; r++) out[(i + r) * ldo + j0 + t] = f[t * 4 + r];
+            finish16x16(&c[0][0], f);   /* rows of PAIR_COLS */
+            for (int64_t r = 0; r < 4; r++) memcpy(out + (i + r) * ldo + j0, f + r * PAIR_COLS, (size_t)nj * sizeof(float));
         }
     }
 }
