@@ -127,29 +127,35 @@ static inline void finish16x4(v16 a, v16 b, v16 c, v16 d, float *r) {
 #endif
 }
 
-/* finish16 of 16 accumulators c[0..15], transposed: r[4k + m] = finish16(c[4m + k]) (a block of
- * accumulators c[4 * column + row] comes out in rows of 4). One tree step for all of them at a time
- * (AVX-512: each add adds the same two lanes as finish16x4's; 30 shuffles and 15 adds where four
- * finish16x4 take 36 and 20). As there, a NaN's payload is the compiler's pick of operand order;
- * NaN positions are not. */
-static inline void finish16x16(const v16 *c, float *r) {
+/* finish16 of 16 accumulators c[4m + k] (4 columns m of 4 rows k) into the rows k of out (row stride
+ * ldo), columns m < nj: out[k * ldo + m] = finish16(c[4m + k]). One tree step for all of them at a time
+ * (AVX-512: each add adds the same two lanes as finish16x4's; 22 shuffles, 8 blends and 15 adds where
+ * four finish16x4 take 36 shuffles and 20 adds: shuffles share Zen 4's VDPBF16PS pipe, blends run on any),
+ * a row of outputs a quarter of the last sum. As there, a NaN's payload is the compiler's pick of operand
+ * order; NaN positions are not. */
+static inline void finish16x16(const v16 *c, int64_t nj, float *out, int64_t ldo) {
 #if defined(__AVX512F__)
     __m512 t[8], u[4], w[2];
-    for (int p = 0; p < 8; p++)   /* [t(c[2p]) t(c[2p+1])]: t_i = l_i + l_(i+8) */
-        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * p].v, c[2 * p + 1].v, 0x44),
-                             _mm512_shuffle_f32x4(c[2 * p].v, c[2 * p + 1].v, 0xEE));
+    for (int p = 0; p < 8; p++)   /* [t(c[2p]) t(c[2p+1])], t_i = l_i + l_(i+8): [lo(c[2p]) hi(c[2p+1])] + [hi(c[2p]) lo(c[2p+1])] */
+        t[p] = _mm512_add_ps(_mm512_mask_blend_ps(0xFF00, c[2 * p].v, c[2 * p + 1].v),
+                             _mm512_shuffle_f32x4(c[2 * p].v, c[2 * p + 1].v, 0x4E));
     for (int p = 0; p < 4; p++)   /* quarter k: u(c[4p + k]), u_i = t_i + t_(i+4) */
         u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0x88),
                              _mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], 0xDD));
     for (int p = 0; p < 2; p++)   /* quarter k: w_0, w_1 of c[8p + k], then of c[8p + 4 + k] (u_0+u_2, u_1+u_3) */
         w[p] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0x44), _mm512_shuffle_ps(u[2 * p], u[2 * p + 1], 0xEE));
     /* quarter k: w_0 + w_1 of c[k], c[4 + k], c[8 + k], c[12 + k] */
-    _mm512_storeu_ps(r, _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD)));
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    const __mmask8 cols = (__mmask8)((1u << nj) - 1);
+    _mm_mask_storeu_ps(out, cols, _mm512_castps512_ps128(f));
+    _mm_mask_storeu_ps(out + ldo, cols, _mm512_extractf32x4_ps(f, 1));
+    _mm_mask_storeu_ps(out + 2 * ldo, cols, _mm512_extractf32x4_ps(f, 2));
+    _mm_mask_storeu_ps(out + 3 * ldo, cols, _mm512_extractf32x4_ps(f, 3));
 #else
-    for (int m = 0; m < 4; m++) {
+    for (int m = 0; m < nj; m++) {
         float f[4];
         finish16x4(c[4 * m], c[4 * m + 1], c[4 * m + 2], c[4 * m + 3], f);
-        for (int k = 0; k < 4; k++) r[4 * k + m] = f[k];
+        for (int k = 0; k < 4; k++) out[k * ldo + m] = f[k];
     }
 #endif
 }
@@ -321,9 +327,7 @@ static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16
                     for (int64_t r = 0; r < 4; r++) c[t][r] = pair16(x[r], y, c[t][r]);
                 }
             }
-            float f[PAIR_COLS * 4];
-            finish16x16(&c[0][0], f);   /* rows of PAIR_COLS */
-            for (int64_t r = 0; r < 4; r++) memcpy(out + (i + r) * ldo + j0, f + r * PAIR_COLS, (size_t)nj * sizeof(float));
+            finish16x16(&c[0][0], nj, out + i * ldo + j0, ldo);
         }
     }
 }
