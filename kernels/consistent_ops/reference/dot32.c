@@ -766,6 +766,16 @@ static void pv_rows(const float *p, int64_t ldp, const int64_t *rows, int64_t n,
     }
 }
 
+/* Asks for the K and V rows (bytes each) of n keys, at (t[i] + hk) * e, as prefetcht1 (L2): a whole block
+ * asked at once with prefetcht0 stalled on L1's miss buffers and was slower (Zen 4). Hints only. */
+static void prefetch_kv(const char *K, const char *V, const int64_t *t, int64_t n, int64_t hk, int64_t e, int64_t bytes) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(K + (t[i] + hk) * e + off, 0, 2);
+            __builtin_prefetch(V + (t[i] + hk) * e + off, 0, 2);
+        }
+}
+
 /* Query rows scored together: block_pairs' register block. Causal prefill rows see a triangle of
  * a diagonal block and nothing of a later one, so each group is scored up to its last visible key. */
 enum { SCORE_ROWS = 4 };
@@ -823,13 +833,6 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
         const int64_t *qp = qpos + s * R;
         const int64_t slen = seq_len[s];
         float *o = out + (s * H + h) * R * D;
-        if (sh + 1 < hi) {               /* the next (s, h)'s first rows, whose loads would stall */
-            const int64_t s1 = (sh + 1) / H, h1 = (sh + 1) % H;
-            for (int64_t n = 0; n < PREFETCH && n < L; n++) {
-                prefetch(K + (tok[s1 * L + n] + h1 * kvs[0]) * ekv, D * ekv);
-                prefetch(V + (tok[s1 * L + n] + h1 * kvs[0]) * ekv, D * ekv);
-            }
-        }
         for (int64_t r = 0; r < R; r++) {
             const char *qr = Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq;
             if (pairs) copy_bf16((const uint16_t *)qr, D, 1, dq, qb16 + r * dq);
@@ -861,6 +864,13 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             if (!v_direct)
                 for (int64_t n = 0; n < vis; n++) { widen32(vrow[n], tkv, D, kvs[1], vb + n * dp); vrow[n] = vb + n * dp; }   /* d pads stay 0 */
             for (int64_t n = vis; n < nv16; n++) vrow[n] = zrow;          /* V past the sequence reads as 0; pads */
+            {   /* the walk's next block (this (s, h)'s next, else the next (s, h)'s first) asked for now, to arrive
+                 * while this one is computed: the cache's rows are rarely in L2 between steps */
+                int64_t s1 = s, h1 = h, p1 = (j + 1) * KVB, n1 = last - p1 + 1;
+                if (p1 > last || p1 >= L) s1 = (sh + 1) / H, h1 = (sh + 1) % H, p1 = 0, n1 = sh + 1 < hi ? KVB : 0;
+                n1 = n1 < KVB ? n1 : KVB;
+                prefetch_kv(K, V, tok + s1 * L + p1, n1 < L - p1 ? n1 : L - p1, h1 * kvs[0], ekv, D * ekv);
+            }
             if (pairs)
                 for (int64_t n = nvis; n < (nvis + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; n++) krow[n] = krow[0];
             for (int64_t r0 = 0; r0 < R; r0 += SCORE_ROWS) {   /* sbuf[r][n] = contract_dot(q, k) */
