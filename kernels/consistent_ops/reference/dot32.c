@@ -724,20 +724,76 @@ void rms_norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, co
     norm_rows(sumsq32, LANES, T, H, dt, x, sx, res, sres, w, eps, out, res_out);
 }
 
-/* pv[d] = contract_dot(p, v[., d]) for d < dp: p one row of kvp fp32 values, V rows of dp fp32 at
- * vb + n * dp. block32's order (lane j: n = j, j+16, ... ascending, from +0; finish16's tree),
- * vectorised over 16 d at a time instead of over the lanes: each d gets exactly the same fmas and
- * adds, and V is used as the cache stores it (no transpose). Groups of 16 positions with no
- * visible key (n >= nvis: p = +0, V rows zeroed) are skipped: fma(+0, +0, acc) == acc, since a lane
- * that starts at +0 never holds -0. */
-static void pv_row(const float *p, const float *vb, int64_t nvis, int64_t dp, float *out) {
+/* 16 fp32 values of a V row from element d0: a BF16 row widened in registers (exact), an fp32 row as
+ * stored. The attention reads V in place this way instead of widening its rows into a buffer. */
+static inline v16 v_load16(const void *row, int bf16, int64_t d0) {
+    if (!bf16) return load16((const float *)row + d0);
+    const uint16_t *p = (const uint16_t *)row + d0;
+#if defined(__AVX512F__)
+    v16 r = {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16))};
+    return r;
+#elif defined(__AVX2__) && defined(__FMA__)
+    v16 r = {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16)),
+             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16))};
+    return r;
+#else
+    float f[LANES];
+    for (int i = 0; i < LANES; i++) f[i] = bf16_to_float(p[i]);
+    return load16(f);
+#endif
+}
+
+/* pv[r][d] = contract_dot(p_r, v[., d]) for d < dp and the rows r = rows[0..NR): p_r at p + r * ldp,
+ * pv_r at out + r * dp; V row n at vrow[n] (bf16 or fp32 per bf16), n < nv16 (rows past the visible
+ * keys point at zeros). block32's order (lane j: n = j, j+16, ... ascending, from +0; finish16's tree),
+ * vectorised over 16 d at a time instead of over the lanes: each d gets exactly the same fmas and adds,
+ * and V is used as the cache stores it (no transpose). The NR rows share each V load; their lanes are
+ * taken 16 / NR at a time so that the NR x 16 / NR accumulators fit the registers (each lane its own
+ * chain: the split changes no sum). Groups of 16 positions with no visible key are never reached
+ * (nv16): fma(+0, +0, acc) == acc there, since a lane that starts at +0 never holds -0. */
+static inline __attribute__((always_inline)) void pv_pass(const float *p, int64_t ldp, const int64_t *rows, const int NR,
+                                                          const void *const *vrow, const int bf16, int64_t nv16,
+                                                          int64_t dp, float *out) {
+    const int LP = LANES / NR;                                 /* lanes a pass */
     for (int64_t d0 = 0; d0 < dp; d0 += LANES) {
-        v16 l[LANES];
-        for (int j = 0; j < LANES; j++) l[j] = zero16();
-        for (int64_t i = 0; i < nvis; i += LANES)
-            for (int j = 0; j < LANES; j++) l[j] = fma16(set16(p[i + j]), load16(vb + (i + j) * dp + d0), l[j]);
-        store16(out + d0, tree16(l));
+        v16 l[4][LANES];                                      /* l[r][j]: lane j of row r */
+        for (int h = 0; h < LANES; h += LP) {
+            v16 a[4][LANES];
+            for (int r = 0; r < NR; r++)
+                for (int j = 0; j < LP; j++) a[r][j] = zero16();
+            for (int64_t i = h; i < nv16; i += LANES)
+                for (int j = 0; j < LP; j++) {
+                    const v16 v = v_load16(vrow[i + j], bf16, d0);
+                    for (int r = 0; r < NR; r++) a[r][j] = fma16(set16(p[rows[r] * ldp + i + j]), v, a[r][j]);
+                }
+            for (int r = 0; r < NR; r++)
+                for (int j = 0; j < LP; j++) l[r][h + j] = a[r][j];
+        }
+        for (int r = 0; r < NR; r++) store16(out + rows[r] * dp + d0, tree16(l[r]));
     }
+}
+
+/* pv_pass over the rows rows[0..n): two at a time, then a last one alone. */
+static void pv_rows(const float *p, int64_t ldp, const int64_t *rows, int64_t n, const void *const *vrow, int bf16,
+                    int64_t nv16, int64_t dp, float *out) {
+    int64_t k = 0;
+    for (; k + 2 <= n; k += 2)
+        if (bf16) pv_pass(p, ldp, rows + k, 2, vrow, 1, nv16, dp, out);
+        else pv_pass(p, ldp, rows + k, 2, vrow, 0, nv16, dp, out);
+    if (k < n) {
+        if (bf16) pv_pass(p, ldp, rows + k, 1, vrow, 1, nv16, dp, out);
+        else pv_pass(p, ldp, rows + k, 1, vrow, 0, nv16, dp, out);
+    }
+}
+
+/* Asks for the K and V rows (bytes each) of n keys, at (t[i] + hk) * e, as prefetcht1 (L2): a whole block
+ * asked at once with prefetcht0 stalled on L1's miss buffers and was slower (Zen 4). Hints only. */
+static void prefetch_kv(const char *K, const char *V, const int64_t *t, int64_t n, int64_t hk, int64_t e, int64_t bytes) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(K + (t[i] + hk) * e + off, 0, 2);
+            __builtin_prefetch(V + (t[i] + hk) * e + off, 0, 2);
+        }
 }
 
 /* Query rows scored together: block_pairs' register block. Causal prefill rows see a triangle of
@@ -768,8 +824,10 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     const int64_t nq = (KVB + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS;
     pairs = pairs && tq == BF16 && tkv == BF16;
     const int k_direct = pairs && kvs[1] == 1 && dq == D;       /* K rows read in place from the cache */
-    const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 4 * R + R * D + 64)
-                        + (pairs ? (size_t)((R + nq) * dq / 2 + nq * 2 + 16) : 0);
+    const int v_direct = kvs[1] == 1 && dp == D;                /* V rows too (whole 16-element loads) */
+    const int v_bf16 = v_direct && tkv == BF16;                 /* ... widened in registers */
+    const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 5 * R + R * D + dp + 64)
+                        + (size_t)(nq + kvp + R) * 2 + (pairs ? (size_t)((R + nq) * dq / 2 + 16) : 0);
     const int nt = threads_for((double)S * H * R * L * D);
     int fail = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : fail)
@@ -782,22 +840,19 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     float *qb = buf, *kb = qb + R * dp, *vb = kb + npad * dp, *pb = vb + kvp * dp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
     float *fm = lrow + R, *fl = fm + R, *ca = fl + R;   /* the fold of chunks before; a later chunk's acc */
+    float *arow = ca + R * D, *zrow = arow + R;         /* each row's rescale a; a V row of zeros */
     if (buf) memset(kb, 0, (size_t)(npad * dp + kvp * dp + R * kvp) * sizeof(float));   /* pads stay 0 */
-    const uint16_t **krow = (const uint16_t **)(((uintptr_t)(ca + R * D) + 63) & ~(uintptr_t)63);
-    uint16_t *qb16 = (uint16_t *)(krow + nq), *kb16 = qb16 + R * dq;
+    if (buf) memset(zrow, 0, (size_t)dp * sizeof(float));
+    const uint16_t **krow = (const uint16_t **)(((uintptr_t)(zrow + dp) + 63) & ~(uintptr_t)63);
+    const void **vrow = (const void **)(krow + nq);     /* block j's V rows: in the cache, vb or zrow */
+    int64_t *act = (int64_t *)(vrow + kvp);             /* the rows that see some key of block j */
+    uint16_t *qb16 = (uint16_t *)(act + R), *kb16 = qb16 + R * dq;
     for (int64_t sh = lo; sh < hi; sh++) {
         const int64_t s = sh / H, h = sh % H;
         const int64_t *ts = tok + s * L;
         const int64_t *qp = qpos + s * R;
         const int64_t slen = seq_len[s];
         float *o = out + (s * H + h) * R * D;
-        if (sh + 1 < hi) {               /* the next (s, h)'s first rows, whose loads would stall */
-            const int64_t s1 = (sh + 1) / H, h1 = (sh + 1) % H;
-            for (int64_t n = 0; n < PREFETCH && n < L; n++) {
-                prefetch(K + (tok[s1 * L + n] + h1 * kvs[0]) * ekv, D * ekv);
-                prefetch(V + (tok[s1 * L + n] + h1 * kvs[0]) * ekv, D * ekv);
-            }
-        }
         for (int64_t r = 0; r < R; r++) {
             const char *qr = Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq;
             if (pairs) copy_bf16((const uint16_t *)qr, D, 1, dq, qb16 + r * dq);
@@ -816,20 +871,26 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             float *acc = chunk_step(j, per_chunk, R, D, exp32_one, fm, fl, o, mrow, lrow, ca);
             const int64_t nvis = last - j * KVB + 1 < KVB ? last - j * KVB + 1 : KVB;   /* keys some row sees */
             const int64_t nv16 = (nvis + LANES - 1) / LANES * LANES;
-            for (int64_t n = 0; n < nvis; n++) {
-                const int64_t pos = j * KVB + n;
-                const char *kr = K + (ts[pos] + h * kvs[0]) * ekv, *vr = V + (ts[pos] + h * kvs[0]) * ekv;
-                if (n + PREFETCH < nvis) {   /* every row: the cache's rows are rarely in L2 between steps */
-                    prefetch(K + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
-                    prefetch(V + (ts[pos + PREFETCH] + h * kvs[0]) * ekv, D * ekv);
-                }
-                if (k_direct) krow[n] = (const uint16_t *)kr;
-                else if (pairs) { copy_bf16((const uint16_t *)kr, D, kvs[1], dq, kb16 + n * dq); krow[n] = kb16 + n * dq; }
-                else widen32(kr, tkv, D, kvs[1], kb + n * dp);
-                if (pos < slen) widen32(vr, tkv, D, kvs[1], vb + n * dp);   /* V rows as stored; d pads stay 0 */
-                else memset(vb + n * dp, 0, (size_t)D * sizeof(float));
+            const int64_t *tj = ts + j * KVB, hk = h * kvs[0];    /* block j's token offsets */
+            const int64_t vis = slen - j * KVB < 0 ? 0 : slen - j * KVB < nvis ? slen - j * KVB : nvis;   /* V rows in the sequence */
+            for (int64_t n = 0; n < nvis; n++) {                 /* K and V rows in place: no branch, no copy */
+                krow[n] = (const uint16_t *)(K + (tj[n] + hk) * ekv);
+                vrow[n] = V + (tj[n] + hk) * ekv;
             }
-            for (int64_t n = nvis; n < nv16; n++) memset(vb + n * dp, 0, (size_t)D * sizeof(float));
+            if (!k_direct)
+                for (int64_t n = 0; n < nvis; n++)
+                    if (pairs) { copy_bf16(krow[n], D, kvs[1], dq, kb16 + n * dq); krow[n] = kb16 + n * dq; }
+                    else widen32((const char *)krow[n], tkv, D, kvs[1], kb + n * dp);
+            if (!v_direct)
+                for (int64_t n = 0; n < vis; n++) { widen32(vrow[n], tkv, D, kvs[1], vb + n * dp); vrow[n] = vb + n * dp; }   /* d pads stay 0 */
+            for (int64_t n = vis; n < nv16; n++) vrow[n] = zrow;          /* V past the sequence reads as 0; pads */
+            {   /* the walk's next block (this (s, h)'s next, else the next (s, h)'s first) asked for now, to arrive
+                 * while this one is computed: the cache's rows are rarely in L2 between steps */
+                int64_t s1 = s, h1 = h, p1 = (j + 1) * KVB, n1 = last - p1 + 1;
+                if (p1 > last || p1 >= L) s1 = (sh + 1) / H, h1 = (sh + 1) % H, p1 = 0, n1 = sh + 1 < hi ? KVB : 0;
+                n1 = n1 < KVB ? n1 : KVB;
+                prefetch_kv(K, V, tok + s1 * L + p1, n1 < L - p1 ? n1 : L - p1, h1 * kvs[0], ekv, D * ekv);
+            }
             if (pairs)
                 for (int64_t n = nvis; n < (nvis + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; n++) krow[n] = krow[0];
             for (int64_t r0 = 0; r0 < R; r0 += SCORE_ROWS) {   /* sbuf[r][n] = contract_dot(q, k) */
@@ -837,6 +898,7 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 if (cols && pairs) block_pairs(qb16 + r0 * dq, dq, rn, krow, cols, dq, sbuf + r0 * kvp, kvp);
                 else if (cols) block32(qb + r0 * dp, rn, kb, cols, dp, sbuf + r0 * kvp, kvp);
             }
+            int64_t na = 0;
             for (int64_t r = 0; r < R; r++) {
                 if (j * KVB > qp[r]) continue;   /* a block this row sees nothing of: an exact no-op (m, l, o kept) */
                 float *sr = sbuf + r * kvp, bm = -INFINITY, lm[LANES];
@@ -848,15 +910,20 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 store16(lm, mx);
                 for (int i = 0; i < LANES; i++) bm = lm[i] > bm ? lm[i] : bm;
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
-                const float a = exp32_one(mrow[r] - m_new);
+                const float x = mrow[r] - m_new, a = x == 0.0f ? 1.0f : exp32_one(x);   /* exp32_one(+-0) is 1 */
                 float *pr = pb + r * kvp;
                 for (int64_t n = 0; n < see; n++) pr[n] = sr[n] - m_new;
                 exp32_rows(pr, pr, see);
                 for (int64_t n = see; n < KVB; n++) pr[n] = 0.0f;     /* exp32(-inf): the masked keys */
                 lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
                 mrow[r] = m_new;
-                pv_row(pr, vb, nvis, dp, pv + r * dp);               /* pv[r][d] = contract_dot(p, v) */
-                for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * a + pv[r * dp + d];
+                arow[r] = a;
+                act[na++] = r;
+            }
+            pv_rows(pb, kvp, act, na, vrow, v_bf16, nv16, dp, pv);   /* pv[r][d] = contract_dot(p, v) */
+            for (int64_t k = 0; k < na; k++) {
+                const int64_t r = act[k];
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * arow[r] + pv[r * dp + d];
             }
         }
         chunk_finish(j, per_chunk, R, D, exp32_one, fm, fl, o, mrow, lrow, ca);
