@@ -789,11 +789,10 @@ static void pv_rows(const float *p, int64_t ldp, const int64_t *rows, int64_t n,
 /* Asks for the K and V rows (bytes each) of n keys, at (t[i] + hk) * e, as prefetcht1 (L2): a whole block
  * asked at once with prefetcht0 stalled on L1's miss buffers and was slower (Zen 4). Hints only. */
 static void prefetch_kv(const char *K, const char *V, const int64_t *t, int64_t n, int64_t hk, int64_t e, int64_t bytes) {
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t off = 0; off < bytes; off += 64) {
-            __builtin_prefetch(K + (t[i] + hk) * e + off, 0, 2);
-            __builtin_prefetch(V + (t[i] + hk) * e + off, 0, 2);
-        }
+    for (int64_t i = 0; i < n; i++) {
+        prefetch_l2(K + (t[i] + hk) * e, bytes);
+        prefetch_l2(V + (t[i] + hk) * e, bytes);
+    }
 }
 
 /* Query rows scored together: block_pairs' register block. Causal prefill rows see a triangle of

@@ -67,6 +67,11 @@ static inline void prefetch(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
+/* prefetch into L2 (prefetcht1): for rows wanted a whole block of work later. */
+static inline void prefetch_l2(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 /* The contract's fold of a KV chunk's attention state (m, l, acc of R rows of D) into the fold of the
  * chunks before it (fm, fl, facc), contract.COMMON["attention"]: a row with no visible key in the
  * chunk (m = -inf) keeps its state; expf is the realisation's exp (fp32 in, fp32 out). Then the
