@@ -74,6 +74,11 @@ def main():
             print(f"error: --threads {args.threads}: use 1 or more", file=sys.stderr)
             raise SystemExit(2)
         torch.set_num_threads(args.threads)
+    try:   # the cases set both per call; a bad value the caller set is still a mistake to name
+        native.accumulation(), native.amx_engine()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
     names = realisations()
     cpu = cpu_description()
     print(f"# {cpu}; realisations {names}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)

@@ -33,6 +33,13 @@ def test_bad_thread_count_is_one_line():
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --threads 0: use 1 or more"
 
 
+def test_bad_amx_switch_is_one_line(monkeypatch):
+    monkeypatch.setenv(native.AMX_ENV, "yes")
+    proc = _run("--threads", "1")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: CONSISTENT_OPS_CPU_AMX='yes': use 1 (AMX where available), emulate, or 0 / off / unset")
+
+
 def test_each_case_runs_in_its_own_realisation(monkeypatch):
     """The cases are made together and interleaved: each sets its realisation when called (it was
     set when made, so every case ran the last one's)."""
