@@ -1011,22 +1011,58 @@ static inline __attribute__((always_inline)) int combine_slots_dt(int64_t T, int
     return 0;
 }
 
+/* One row of K dt values (contiguous; NULL: zeros) as a block kernel's operand row of kp: bf16 copied
+ * (pairs), else widened to fp32; zero padded. Exact copies, so the dots see the values dot32p / dot32 see. */
+static void operand_row(int pairs, int dt, const char *src, int64_t K, int64_t kp, void *dst) {
+    const int64_t have = src ? K : 0, es = pairs ? 2 : 4;
+    if (have && pairs) memcpy(dst, src, (size_t)K * 2);
+    else if (have) widen32(src, dt, K, 1, dst);
+    memset((char *)dst + have * es, 0, (size_t)((kp - have) * es));
+}
+
+/* An expert's n weight rows of K (element (j, k) at base + j*sn + k*sk) for moe_block: pairs, a pointer
+ * per row (n rounded up to PAIR_COLS, pad pointers at row 0), rows in place where dot_pairs reads them in
+ * place (k contiguous, K == kp), else copied padded into buf; fp32, the rows widened into buf
+ * (widen_b32: dot32's B). Once per expert and call, not per chunk of its rows. */
+static void expert_rows(int pairs, int dt, const char *base, int64_t sn, int64_t sk, int64_t n, int64_t K, int64_t kp,
+                        void *buf, const uint16_t **ptr) {
+    if (!pairs) { widen_b32(base, dt, sn, sk, 0, n, K, kp, buf); return; }
+    for (int64_t j = 0; j < (n + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; j++) {
+        const uint16_t *row = (const uint16_t *)base + (j < n ? j : 0) * sn;
+        if (sk == 1 && K == kp) { ptr[j] = row; continue; }
+        uint16_t *copy = (uint16_t *)buf + j * kp;
+        copy_bf16(row, K, sk, kp, copy);
+        ptr[j] = copy;
+    }
+}
+
+/* out [mr, nr] (contiguous) = the dots of mr operand rows a (row stride lda elements) with an expert's
+ * rows (expert_rows: ptr for pairs, w for fp32): the kernels dot32p / dot32 run on the same rows, so
+ * their bits. engine: dot32_tile_engine()'s, as dot_pairs uses it. */
+static void moe_block(int pairs, int engine, const void *a, int64_t lda, int64_t mr, const uint16_t *const *ptr,
+                      const float *w, int64_t nr, int64_t kp, float *out) {
+    if (!pairs) block32(a, mr, w, nr, kp, out, nr);
+    else if (!engine || block_tiles(a, lda, mr, ptr, nr, kp, out, nr, engine == ENGINE_AMX))
+        block_pairs(a, lda, mr, ptr, nr, kp, out, nr);
+}
+
 /* The MoE experts of reference/moe.py moe_expert_contributions without autograd, in one call:
  * for each local expert le (global id e0 + le) its (token, slot) pairs p (p = token * k + slot,
  * ascending), x rows gathered; gu = dt(contract_dot(x row, gate_up rows)) [2I]; h = silu_mul32(gu[:I],
  * gu[I:]); contrib[p] = contract_dot(h, down rows) [H] * wts[p] (fp32), owned[p] = 1; pairs routed
- * to no local expert: contrib 0, owned 0. Every dot is dot32p's (pairs) or dot32's, so each value
- * has the bits of the batched torch path, which computes the same dots of the same rows (here in
- * chunks of FUSED_ROWS pairs). Stack strides {expert, n, k} in elements. combined (or NULL): also
- * reference/moe.py moe_combine of contrib, [T, H] in dt: total = contrib[t, 0], then total + contrib[t, j]
- * for j = 1 .. k-1 in order (fp32 IEEE adds), rounded once to dt: the same operations. Returns 0, or -1
- * when out of memory. */
+ * to no local expert: contrib 0, owned 0. Every dot is dot32p's (pairs, BF16) or dot32's, on the same
+ * operand rows (the block kernels called directly: each expert's weights made ready once per call, in
+ * chunks of FUSED_ROWS pairs), so each value has the bits of the batched torch path. Stack strides
+ * {expert, n, k} in elements. combined (or NULL): also reference/moe.py moe_combine of contrib, [T, H]
+ * in dt: total = contrib[t, 0], then total + contrib[t, j] for j = 1 .. k-1 in order (fp32 IEEE adds),
+ * rounded once to dt: the same operations. Returns 0, or -1 when out of memory. */
 int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char *x, int64_t sx,
                   const int64_t *ids, const float *wts, int64_t e0, int64_t ne, const char *gu, const int64_t *sgu,
                   const char *dn, const int64_t *sdn, int pairs, float *contrib, uint8_t *owned, char *combined) {
-    int (*dot)(const int64_t *, const char *, int, const int64_t *, const char *, int, const int64_t *,
-               const int64_t *, float *) = pairs ? dot32p : dot32;
-    const int64_t e = ELEM[dt], TK = T * k;
+    pairs = pairs && dt == BF16;                          /* dot32p runs other operands as dot32 */
+    const int engine = pairs ? dot32_tile_engine() : ENGINE_OFF;
+    const int64_t e = ELEM[dt], TK = T * k, es = pairs ? 2 : 4, step = pairs ? PAIR_K : LANES;
+    const int64_t kh = (H + step - 1) / step * step, ki = (I + step - 1) / step * step;
     int64_t *start = calloc((size_t)(ne + 1), sizeof(int64_t)), *list = malloc((size_t)(TK ? TK : 1) * sizeof(int64_t));
     int64_t most = 0;
     for (int64_t p = 0; p < TK; p++) {
@@ -1048,31 +1084,50 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
     }
     const int nt = threads_for((double)TK * 3 * I * H);
     const int64_t rows = most < FUSED_ROWS ? most : FUSED_ROWS;   /* an expert's pairs in chunks of rows */
+    /* Per thread (its scratch slot 0, kept between calls): x and h operand rows, fp32 dots, gu and h in dt,
+     * SiLU's row, the expert's weights (pointers + copies, or widened). Rows rounded up to 4: a chunk of
+     * 4r + 3 pairs runs as r + 1 whole register blocks of block_pairs, the pad row zeros and dropped (a
+     * lone row costs about half of a 4-row block there, a block of 3 three quarters more). Weight rows
+     * rounded up to 12: both kernels' register blocks (PAIR_COLS pair columns, 3 fp32 columns). */
+    const int64_t r4 = (rows + 3) / 4 * 4, wide = 2 * I > H ? 2 * I : H, ng = (2 * I + 11) / 12 * 12, nd = (H + 11) / 12 * 12;
+    const size_t part[8] = {(size_t)(r4 * kh * es), (size_t)(r4 * ki * es), (size_t)(r4 * wide) * 4, (size_t)(r4 * 2 * I * e),
+                            (size_t)(r4 * I * e), (size_t)(2 * I) * 4, (size_t)(ng * kh + nd * ki) * es,
+                            (size_t)(ng + nd) * sizeof(void *)};
+    size_t total = 0;
+    for (int i = 0; i < 8; i++) total += (part[i] + 63) / 64 * 64;
     if (!rc)
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : rc)
-    {   /* each thread the experts whose first pair falls in its share of the pairs, with its own buffers */
-    char *xa = malloc((size_t)(rows * H * e + 64)), *gd = malloc((size_t)(rows * 2 * I * e + 64));
-    char *h = malloc((size_t)(rows * I * e + 64));
-    float *g = malloc((size_t)(rows * (2 * I > H ? 2 * I : H) + 16) * sizeof(float));
+    {   /* each thread the experts whose first pair falls in its share of the pairs */
+    char *buf[8] = {scratch_bytes(total)};
+    for (int i = 1; i < 8 && buf[0]; i++) buf[i] = buf[i - 1] + (part[i - 1] + 63) / 64 * 64;
+    char *xa = buf[0], *ha = buf[1], *gd = buf[3], *h = buf[4];
+    float *acc = (float *)buf[2], *g = (float *)buf[5];
+    const uint16_t **gp = (const uint16_t **)buf[7], **dp = gp + ng;
     int64_t lo, hi;
     share(TK, 1, &lo, &hi);
-    rc |= !(xa && gd && h && g) ? -1 : 0;
+    rc |= buf[0] ? 0 : -1;
     for (int64_t le = 0; le < ne && !rc; le++) {
         if (start[le + 1] == start[le] || start[le] < lo || start[le] >= hi) continue;
-        for (int64_t i0 = start[le]; i0 < start[le + 1] && !rc; i0 += rows) {
+        expert_rows(pairs, dt, gu + le * sgu[0] * e, sgu[1], sgu[2], 2 * I, H, kh, buf[6], gp);
+        expert_rows(pairs, dt, dn + le * sdn[0] * e, sdn[1], sdn[2], H, I, ki, buf[6] + ng * kh * es, dp);
+        const float *gw = (const float *)buf[6], *dw = gw + ng * kh;
+        for (int64_t i0 = start[le]; i0 < start[le + 1]; i0 += rows) {
             const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
-            for (int64_t i = 0; i < n; i++) memcpy(xa + i * H * e, x + (pl[i] / k) * sx * e, (size_t)(H * e));
-            rc = linear_rows(pairs, n, 2 * I, H, dt, xa, H, gu + le * sgu[0] * e, sgu[1], sgu[2], g, gd);   /* gu in dt */
-            if (rc) break;
-            rc = silu_mul32(n, I, dt, gd, 2 * I, gd + I * e, 2 * I, h);
-            if (rc) break;
-            const int64_t shape2[6] = {1, 1, 1, n, H, I}, sa2[5] = {0, 0, 0, I, 1}, sb2[5] = {0, 0, 0, sdn[1], sdn[2]};
-            rc = dot(shape2, h, dt, sa2, dn + le * sdn[0] * e, dt, sb2, NULL, g);
-            for (int64_t i = 0; i < n && !rc; i++)
-                for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = g[i * H + c] * wts[pl[i]];
+            const int64_t m = pairs && !engine && n % 4 == 3 ? n + 1 : n;   /* rows computed */
+            for (int64_t i = 0; i < m; i++)
+                operand_row(pairs, dt, i < n ? x + (pl[i] / k) * sx * e : NULL, H, kh, xa + i * kh * es);
+            moe_block(pairs, engine, xa, kh, m, gp, gw, 2 * I, kh, acc);
+            round_rows(acc, dt, n * 2 * I, gd);                                               /* gu in dt */
+            if (dt == BF16) silu_rows_dt(n, I, BF16, gd, 2 * I, gd + I * e, 2 * I, h, g);
+            else silu_rows_dt(n, I, F32, gd, 2 * I, gd + I * e, 2 * I, h, g);
+            const int direct = pairs && ki == I;                           /* h rows are the operand rows */
+            for (int64_t i = direct ? n : 0; i < m; i++)
+                operand_row(pairs, dt, i < n ? h + i * I * e : NULL, I, ki, (direct ? h : ha) + i * ki * es);
+            moe_block(pairs, engine, direct ? h : ha, ki, m, dp, dw, H, ki, acc);
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = acc[i * H + c] * wts[pl[i]];
         }
     }
-    free(xa); free(gd); free(h); free(g);
     }
     free(start); free(list); free(fill);
     if (!rc && combined)
