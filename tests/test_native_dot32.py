@@ -5,6 +5,8 @@ Bitwise: the same bits for any batch composition, M, row order, layout, thread c
 ISA build (the scalar fmaf path vs this machine's vector path); the lane order, the tree
 and the FMA are each shown to decide bits (so those checks are not vacuous), and a naive
 torch fp32 matmul is shown to depend on M. Accuracy against fp64 within a tolerance."""
+import itertools
+
 import pytest
 import torch
 
@@ -214,20 +216,26 @@ def test_fused_calls_equal_the_ops(name, dtype, monkeypatch):
     """co.attention_prologue (q/k/v projections, per-head q/k RMSNorm, RoPE), co.linear_add_rms_norm
     (o_proj, residual add, RMSNorm) and co.mlp (gate/up, SiLU*mul, down), each one native call, give
     the bits of linear, rms_norm, apply_rope, add_rms_norm and silu_mul run one by one, at decode and
-    prefill row counts (300: the fused calls take rows in chunks of 128)."""
+    prefill row counts (300: the fused calls take rows in chunks of at most 128, one thread's each when
+    there are several: 1, 2 and 3 threads cut 300 rows differently)."""
     monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
     wq, wk, wv = (_x(n, 256, seed=s, dtype=dtype) / 8 for n, s in ((256, 30), (128, 31), (128, 32)))
     nq, nk, nw = (1 + _x(n, seed=s, dtype=dtype) / 4 for n, s in ((64, 33), (64, 34), (256, 36)))
     wg, wu, wd = (_x(*shape, seed=s, dtype=dtype) / 8 for shape, s in (((200, 256), 38), ((200, 256), 39),
                                                                        ((256, 200), 40)))
-    for t in (1, 37, 300):
+    old = torch.get_num_threads()
+    for threads, t in itertools.product((1, 2, 3), (1, 37, 300)):
+        torch.set_num_threads(threads)
         x, res = _x(t, 256, seed=35, dtype=dtype), _x(t, 256, seed=37, dtype=dtype)
         cos, sin = co.rope_cos_sin(torch.arange(t) * 7, 64, 1e6)
-        with torch.inference_mode():
-            fused = (*co.attention_prologue(x, wq, wk, wv, nq, nk, 1e-6, cos, sin, 64),
-                     *co.linear_add_rms_norm(x, wq, res, nw, 1e-6), co.mlp(x, wg, wu, wd))
-            q, k = (co.apply_rope(co.rms_norm(co.linear(x, w).view(t, -1, 64), n, 1e-6), cos, sin)
-                    for w, n in ((wq, nq), (wk, nk)))
-            ops = (q, k, co.linear(x, wv).view(t, -1, 64), *co.add_rms_norm(co.linear(x, wq), res, nw, 1e-6),
-                   co.linear(co.silu_mul(co.linear(x, wg), co.linear(x, wu)), wd))
-        assert len(fused) == len(ops) and all(torch.equal(f, o) for f, o in zip(fused, ops))
+        try:
+            with torch.inference_mode():
+                fused = (*co.attention_prologue(x, wq, wk, wv, nq, nk, 1e-6, cos, sin, 64),
+                         *co.linear_add_rms_norm(x, wq, res, nw, 1e-6), co.mlp(x, wg, wu, wd))
+                q, k = (co.apply_rope(co.rms_norm(co.linear(x, w).view(t, -1, 64), n, 1e-6), cos, sin)
+                        for w, n in ((wq, nq), (wk, nk)))
+                ops = (q, k, co.linear(x, wv).view(t, -1, 64), *co.add_rms_norm(co.linear(x, wq), res, nw, 1e-6),
+                       co.linear(co.silu_mul(co.linear(x, wg), co.linear(x, wu)), wd))
+        finally:
+            torch.set_num_threads(old)
+        assert len(fused) == len(ops) and all(torch.equal(f, o) for f, o in zip(fused, ops)), (threads, t)

@@ -514,8 +514,10 @@ AMX_TARGET static int block_tiles(const uint16_t *a, int64_t lda, int64_t mr, co
 }
 
 /* dot32 for two BF16 operands in the pair order. Rows read in place where k is contiguous and
- * K a multiple of PAIR_K (weights, activations), else copied and padded. */
-static int dot_pairs(const int64_t *shape, const char *A, const int64_t *sa, const char *B, const int64_t *sb,
+ * K a multiple of PAIR_K (weights, activations), else copied and padded. solo: on the calling
+ * thread alone (a fused call's chunk, its threads already busy), else large blocks split their
+ * columns over the threads. */
+static int dot_pairs(int solo, const int64_t *shape, const char *A, const int64_t *sa, const char *B, const int64_t *sb,
                      const int64_t *mlen, float *out) {
     const int64_t M = shape[3], N = shape[4], K = shape[5];
     const int64_t kp = (K + PAIR_K - 1) / PAIR_K * PAIR_K;
@@ -558,7 +560,7 @@ static int dot_pairs(const int64_t *shape, const char *A, const int64_t *sa, con
                 if (!a_direct)
                     for (int64_t i = 0; i < mr; i++) copy_bf16(Ab + (m0 + i) * sa[3], K, sa[4], kp, abuf + i * kp);
                 const uint16_t *ab = a_direct ? Ab + m0 * sa[3] : abuf;
-                const int nt = threads_for((double)mr * nr * kp);
+                const int nt = solo ? 1 : threads_for((double)mr * nr * kp);
 #pragma omp parallel num_threads(nt) if (nt > 1)
                 {
                     int64_t lo, hi;
@@ -576,9 +578,9 @@ static int dot_pairs(const int64_t *shape, const char *A, const int64_t *sa, con
 
 /* The batched contraction of dot64.c (same arguments: shape {nb0, nb1, nb2, M, N, K}, A
  * strides {b0, b1, b2, m, k}, B strides {b0, b1, b2, n, k}, mlen, contiguous fp32 out) in the
- * fp32 order above. Operands F32 or BF16. Returns 0, or -1 when out of memory. */
-int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
-          const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
+ * fp32 order above. Operands F32 or BF16. solo: as dot_pairs. Returns 0, or -1 when out of memory. */
+static int dot_lanes(int solo, const int64_t *shape, const char *A, int ta, const int64_t *sa,
+                     const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
     const int64_t M = shape[3], N = shape[4], K = shape[5];
     const int64_t ea = ELEM[ta], eb = ELEM[tb];
     const int64_t kp = (K + LANES - 1) / LANES * LANES;
@@ -607,7 +609,7 @@ int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
                     widen32(Ab + (m0 + i) * sa[3] * ea, ta, K, sa[4], abuf + i * kp);
                     memset(abuf + i * kp + K, 0, (size_t)(kp - K) * sizeof(float));
                 }
-                const int nt = threads_for((double)mr * nr * kp);
+                const int nt = solo ? 1 : threads_for((double)mr * nr * kp);
 #pragma omp parallel num_threads(nt) if (nt > 1)
                 {
                     int64_t lo, hi;
@@ -620,10 +622,15 @@ int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     return 0;
 }
 
+int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
+          const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
+    return dot_lanes(0, shape, A, ta, sa, B, tb, sb, mlen, out);
+}
+
 /* dot32 in the "bf16" realisation: two BF16 operands in the pair order, others as dot32. */
 int dot32p(const int64_t *shape, const char *A, int ta, const int64_t *sa,
            const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
-    if (ta == BF16 && tb == BF16) return dot_pairs(shape, A, sa, B, sb, mlen, out);
+    if (ta == BF16 && tb == BF16) return dot_pairs(0, shape, A, sa, B, sb, mlen, out);
     return dot32(shape, A, ta, sa, B, tb, sb, mlen, out);
 }
 
@@ -979,13 +986,20 @@ static void round_rows(const float *src, int dt, int64_t n, char *dst) {
     else round_rows_dt(src, F32, n, dst);
 }
 
-/* dst = dt(contract_dot(x row, w row)) [tr, n] through acc: a linear's bits (dot32p for BF16 pairs,
- * else dot32, as native.matmul picks them) for tr rows of x (row stride sx, K contiguous) against n
- * rows of w (strides sn, sk). Returns 0, or -1 when out of memory. */
-static int linear_rows(int pairs, int64_t tr, int64_t n, int64_t K, int dt, const char *x, int64_t sx,
-                       const char *w, int64_t sn, int64_t sk, float *acc, char *dst) {
+/* acc [tr, n] = contract_dot(x row, w row) in fp32, a linear's dots (dot32p for BF16 pairs, else dot32,
+ * as native.matmul picks them), for tr rows of x (row stride sx, K contiguous) against n rows of w
+ * (strides sn, sk); solo as dot_pairs. Returns 0, or -1 when out of memory. */
+static int dot_rows(int pairs, int solo, int64_t tr, int64_t n, int64_t K, int dt, const char *x, int64_t sx,
+                    const char *w, int64_t sn, int64_t sk, float *acc) {
     const int64_t shape[6] = {1, 1, 1, tr, n, K}, sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sn, sk};
-    const int rc = (pairs ? dot32p : dot32)(shape, x, dt, sa, w, dt, sb, NULL, acc);
+    if (pairs && dt == BF16) return dot_pairs(solo, shape, x, sa, w, sb, NULL, acc);
+    return dot_lanes(solo, shape, x, dt, sa, w, dt, sb, NULL, acc);
+}
+
+/* dst = dt(dot_rows(...)) [tr, n] through acc: a linear's bits. Returns 0, or -1 when out of memory. */
+static int linear_rows(int pairs, int solo, int64_t tr, int64_t n, int64_t K, int dt, const char *x, int64_t sx,
+                       const char *w, int64_t sn, int64_t sk, float *acc, char *dst) {
+    const int rc = dot_rows(pairs, solo, tr, n, K, dt, x, sx, w, sn, sk, acc);
     if (!rc) round_rows(acc, dt, tr * n, dst);
     return rc;
 }
@@ -994,6 +1008,39 @@ static int linear_rows(int pairs, int64_t tr, int64_t n, int64_t K, int dt, cons
  * small (a prefill's multi-MB allocations page-faulted on every call) and in L2; every output is
  * computed alone, so chunks change no bit. */
 enum { FUSED_ROWS = 128 };
+
+/* A fused call's work on rows t0 .. t0 + tr - 1 of its arguments a, with buf (tr times the call's bytes
+ * a row) for its own buffers; solo: its dots on the calling thread alone. Returns 0, or -1. */
+typedef int (*chunk_fn)(const void *a, int64_t t0, int64_t tr, int solo, char *buf);
+
+/* The calling thread's share of whole chunks of rows rows (fused_chunks), with its scratch slot 2. */
+static int own_chunks(int64_t T, int64_t rows, size_t row_bytes, chunk_fn fn, const void *a, int solo) {
+    char *buf = scratch_slot(2, (size_t)rows * row_bytes);
+    int64_t lo, hi;
+    share(T, rows, &lo, &hi);
+    int rc = buf ? 0 : -1;
+    for (int64_t t0 = lo; t0 < hi && !rc; t0 += rows) rc = fn(a, t0, hi - t0 < rows ? hi - t0 : rows, solo, buf);
+    return rc;
+}
+
+/* A fused call over T rows (work: its multiply-adds), in chunks of at most FUSED_ROWS rows, each chunk
+ * fn's. Several chunks: one OpenMP region, each thread its share of whole chunks, each chunk's dots and
+ * epilogue (SiLU, norms, RoPE) on that thread alone: the epilogue runs on every thread and one region
+ * opens a call instead of one per dot. The chunks are as many as a multiple of the threads and of equal
+ * rows (a multiple of 4: block_pairs' register rows) so that the threads get equal work: 4096 rows ->
+ * 32 chunks of 128, 300 -> 4 of 76 (at 2 threads). One chunk (decode's rows): no region here (one, even
+ * of one thread, would make the dots' regions nested: libgomp starts new threads for those each time),
+ * the dots split their columns over the threads. Buffers: each thread's scratch slot 2, kept between
+ * calls. Returns 0, or -1 when out of memory. */
+static int fused_chunks(int64_t T, double work, size_t row_bytes, chunk_fn fn, const void *a) {
+    const int nt = T > FUSED_ROWS ? threads_for(work) : 1;
+    if (nt == 1) return own_chunks(T, T < FUSED_ROWS ? (T > 0 ? T : 1) : FUSED_ROWS, row_bytes, fn, a, 0);
+    const int64_t chunks = (T + FUSED_ROWS * nt - 1) / (FUSED_ROWS * nt) * nt, rows = ((T + chunks - 1) / chunks + 3) / 4 * 4;
+    int rc = 0;
+#pragma omp parallel num_threads(nt) reduction(| : rc)
+    rc = own_chunks(T, rows, row_bytes, fn, a, 1);
+    return rc;
+}
 
 /* out[t] = dt(contrib[t, 0] + contrib[t, 1] + ... + contrib[t, k-1]), fp32 adds left to right (moe_combine),
  * inlined per dtype so that the loops vectorise. Returns 0, or -1 when out of memory. */
@@ -1211,29 +1258,34 @@ int write_kv(int64_t T, int64_t Hkv, int64_t D, int64_t esize, const char *key, 
  * nk, and v = dt(contract_dot(x, wv rows)): the calls the ops make one by one (dot32p / dot32 as
  * native.matmul picks them, rms_norm_rows32, rope_rows), so the same bits. Outputs contiguous
  * q [T, hq, D], k, v [T, hkv, D]. Returns 0, or -1 when out of memory. */
+struct prologue { int64_t H, D, heads[3]; int dt, pairs; const char *x; int64_t sx; const char *w[3]; int64_t sw;
+                  const char *nw[3]; float eps; const float *cos, *sin; char *out[3]; };
+
+static int prologue_chunk(const void *p, int64_t t0, int64_t tr, int solo, char *buf) {
+    const struct prologue *a = p;
+    const int64_t e = ELEM[a->dt], wide = (a->heads[0] > a->heads[1] ? a->heads[0] : a->heads[1]) * a->D, half = a->D / 2;
+    float *acc = (float *)buf;
+    char *rounded = (char *)(acc + tr * wide), *normed = rounded + tr * wide * e;
+    for (int i = 0; i < 3; i++) {                                                      /* q, k, v */
+        const int64_t n = a->heads[i] * a->D;
+        char *o = a->out[i] + t0 * n * e;
+        const int rc = linear_rows(a->pairs, solo, tr, n, a->H, a->dt, a->x + t0 * a->sx * e, a->sx, a->w[i], a->sw, 1, acc,
+                                   a->nw[i] ? rounded : o);
+        if (rc) return rc;
+        if (!a->nw[i]) continue;                                                       /* v: the linear alone */
+        rms_norm_rows32(tr * a->heads[i], a->D, a->dt, rounded, a->D, NULL, 0, a->nw[i], a->eps, normed, NULL);
+        rope_rows(tr, a->heads[i], a->D, a->dt, normed, a->cos + t0 * half, a->sin + t0 * half, o);
+    }
+    return 0;
+}
+
 int attn_prologue32(int64_t T, int64_t H, int64_t D, int64_t hq, int64_t hkv, int dt, const char *x, int64_t sx,
                     const char *wq, const char *wk, const char *wv, int64_t sw, const char *nq, const char *nk,
                     float eps, const float *cos, const float *sin, int pairs, char *q, char *k, char *v) {
-    const int64_t e = ELEM[dt], wide = (hq > hkv ? hq : hkv) * D, half = D / 2;
-    float *acc = malloc((size_t)(FUSED_ROWS * wide) * sizeof(float));
-    char *rounded = malloc((size_t)(2 * FUSED_ROWS * wide * e)), *normed = rounded + FUSED_ROWS * wide * e;
-    const char *w[3] = {wq, wk, wv}, *nw[3] = {nq, nk, NULL};
-    char *out[3] = {q, k, v};
-    const int64_t heads[3] = {hq, hkv, hkv};
-    int rc = acc && rounded ? 0 : -1;
-    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
-        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
-        for (int i = 0; i < 3 && !rc; i++) {
-            const int64_t n = heads[i] * D;
-            rc = linear_rows(pairs, tr, n, H, dt, x + t0 * sx * e, sx, w[i], sw, 1, acc, nw[i] ? rounded : out[i] + t0 * n * e);
-            if (rc || !nw[i]) continue;                                                /* v: the linear alone */
-            rms_norm_rows32(tr * heads[i], D, dt, rounded, D, NULL, 0, nw[i], eps, normed, NULL);
-            rope_rows(tr, heads[i], D, dt, normed, cos + t0 * half, sin + t0 * half, out[i] + t0 * n * e);
-        }
-    }
-    free(acc);
-    free(rounded);
-    return rc;
+    const struct prologue a = {H, D, {hq, hkv, hkv}, dt, pairs, x, sx, {wq, wk, wv}, sw, {nq, nk, NULL}, eps, cos, sin,
+                               {q, k, v}};
+    const int64_t wide = (hq > hkv ? hq : hkv) * D;                 /* acc, then the rounded and the normed rows */
+    return fused_chunks(T, (double)T * (hq + 2 * hkv) * D * H, (size_t)(wide * 4 + 2 * wide * ELEM[dt]), prologue_chunk, &a);
 }
 
 /* reference/moe.py moe_route after its linear (CPU, the fp32/bf16 realisations, trainer and rollout),
@@ -1281,18 +1333,21 @@ int moe_route32(int64_t T, int64_t E, const float *logits, int64_t sl, int64_t t
 /* The router in one call (CPU inference): logits = contract_dot(x row, w rows) in fp32 (dot32p for BF16
  * pairs, else dot32: the linear's bits), then moe_route32; x [T, K] (row stride sx) and w [E, K] (row
  * stride sw) of one dtype, K contiguous. Returns 0, or -1 when out of memory. */
+struct router { int64_t E, K; int dt, pairs; const char *x; int64_t sx; const char *w; int64_t sw, top_k; int norm;
+                int64_t *ids; float *weights; };
+
+static int router_chunk(const void *p, int64_t t0, int64_t tr, int solo, char *buf) {
+    const struct router *a = p;
+    float *logits = (float *)buf;
+    const int rc = dot_rows(a->pairs, solo, tr, a->E, a->K, a->dt, a->x + t0 * a->sx * ELEM[a->dt], a->sx, a->w, a->sw, 1,
+                            logits);
+    return rc ? rc : moe_route32(tr, a->E, logits, a->E, a->top_k, a->norm, a->ids + t0 * a->top_k, a->weights + t0 * a->top_k);
+}
+
 int moe_router32(int64_t T, int64_t E, int64_t K, int dt, const char *x, int64_t sx, const char *w, int64_t sw,
                  int pairs, int64_t top_k, int norm, int64_t *ids, float *weights) {
-    float *logits = malloc((size_t)(FUSED_ROWS * E) * sizeof(float));
-    int rc = logits ? 0 : -1;
-    const int64_t sa[5] = {0, 0, 0, sx, 1}, sb[5] = {0, 0, 0, sw, 1};
-    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
-        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS, shape[6] = {1, 1, 1, tr, E, K};
-        rc = (pairs ? dot32p : dot32)(shape, x + t0 * sx * ELEM[dt], dt, sa, w, dt, sb, NULL, logits);
-        if (!rc) rc = moe_route32(tr, E, logits, E, top_k, norm, ids + t0 * top_k, weights + t0 * top_k);
-    }
-    free(logits);
-    return rc;
+    const struct router a = {E, K, dt, pairs, x, sx, w, sw, top_k, norm, ids, weights};
+    return fused_chunks(T, (double)T * E * K, (size_t)E * sizeof(float), router_chunk, &a);
 }
 
 /* A linear layer rounded to dt, then reference/norm.py add_rms_norm of it and the residual, in one
@@ -1300,41 +1355,48 @@ int moe_router32(int64_t T, int64_t E, int64_t K, int dt, const char *x, int64_t
  * stride sx, w [N, K] row stride sw), then rms_norm_rows32(y, res, nw): out = RMSNorm(y + res),
  * res_out = y + res (in dt). The calls linear and add_rms_norm make one by one, so the same bits.
  * Returns 0, or -1 when out of memory. */
+struct linear_norm { int64_t K, N; int dt, pairs; const char *x; int64_t sx; const char *w; int64_t sw; const char *res;
+                     int64_t sres; const char *nw; float eps; char *out, *res_out; };
+
+static int linear_norm_chunk(const void *p, int64_t t0, int64_t tr, int solo, char *buf) {
+    const struct linear_norm *a = p;
+    const int64_t e = ELEM[a->dt];
+    float *acc = (float *)buf;
+    char *y = (char *)(acc + tr * a->N);
+    const int rc = linear_rows(a->pairs, solo, tr, a->N, a->K, a->dt, a->x + t0 * a->sx * e, a->sx, a->w, a->sw, 1, acc, y);
+    if (!rc)
+        rms_norm_rows32(tr, a->N, a->dt, y, a->N, a->res + t0 * a->sres * e, a->sres, a->nw, a->eps, a->out + t0 * a->N * e,
+                        a->res_out + t0 * a->N * e);
+    return rc;
+}
+
 int linear_add_norm32(int64_t T, int64_t K, int64_t N, int dt, const char *x, int64_t sx, const char *w, int64_t sw,
                       const char *res, int64_t sres, const char *nw, float eps, int pairs, char *out, char *res_out) {
-    const int64_t e = ELEM[dt];
-    float *acc = malloc((size_t)(FUSED_ROWS * N) * sizeof(float));
-    char *y = malloc((size_t)(FUSED_ROWS * N * e));
-    int rc = acc && y ? 0 : -1;
-    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
-        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
-        rc = linear_rows(pairs, tr, N, K, dt, x + t0 * sx * e, sx, w, sw, 1, acc, y);
-        if (rc) break;
-        rms_norm_rows32(tr, N, dt, y, N, res + t0 * sres * e, sres, nw, eps, out + t0 * N * e, res_out + t0 * N * e);
-    }
-    free(acc);
-    free(y);
-    return rc;
+    const struct linear_norm a = {K, N, dt, pairs, x, sx, w, sw, res, sres, nw, eps, out, res_out};
+    return fused_chunks(T, (double)T * K * N, (size_t)(N * 4 + N * ELEM[dt]), linear_norm_chunk, &a);
 }
 
 /* models/qwen3.py MLP in one call (CPU inference, fp32/bf16 realisations): for x [T, H] (row
  * stride sx) and contiguous weights wg, wu [I, H], wd [H, I]: g = dt(contract_dot(x, wg rows)),
  * u likewise with wu, h = silu_mul32(g, u), out = dt(contract_dot(h, wd rows)) [T, H] contiguous:
  * the calls linear and silu_mul make one by one, so the same bits. Returns 0, or -1 when out of memory. */
+struct mlp { int64_t H, I; int dt, pairs; const char *x; int64_t sx; const char *wg, *wu, *wd; char *out; };
+
+static int mlp_chunk(const void *p, int64_t t0, int64_t tr, int solo, char *buf) {
+    const struct mlp *a = p;
+    const int64_t e = ELEM[a->dt], H = a->H, I = a->I;
+    float *acc = (float *)buf;
+    char *gu = (char *)(acc + tr * (I > H ? I : H)), *h = gu + 2 * tr * I * e;
+    const char *x = a->x + t0 * a->sx * e;
+    int rc = linear_rows(a->pairs, solo, tr, I, H, a->dt, x, a->sx, a->wg, H, 1, acc, gu);          /* gate */
+    if (!rc) rc = linear_rows(a->pairs, solo, tr, I, H, a->dt, x, a->sx, a->wu, H, 1, acc, gu + tr * I * e);   /* up */
+    if (!rc) rc = silu_mul32(tr, I, a->dt, gu, I, gu + tr * I * e, I, h);
+    if (!rc) rc = linear_rows(a->pairs, solo, tr, H, I, a->dt, h, I, a->wd, I, 1, acc, a->out + t0 * H * e);
+    return rc;
+}
+
 int mlp32(int64_t T, int64_t H, int64_t I, int dt, const char *x, int64_t sx, const char *wg, const char *wu,
           const char *wd, int pairs, char *out) {
-    const int64_t e = ELEM[dt];
-    float *acc = malloc((size_t)(FUSED_ROWS * (I > H ? I : H)) * sizeof(float));
-    char *gu = malloc((size_t)(3 * FUSED_ROWS * I * e)), *h = gu + 2 * FUSED_ROWS * I * e;
-    int rc = acc && gu ? 0 : -1;
-    for (int64_t t0 = 0; t0 < T && !rc; t0 += FUSED_ROWS) {
-        const int64_t tr = T - t0 < FUSED_ROWS ? T - t0 : FUSED_ROWS;
-        for (int i = 0; i < 2 && !rc; i++)                                              /* gate, then up */
-            rc = linear_rows(pairs, tr, I, H, dt, x + t0 * sx * e, sx, i ? wu : wg, H, 1, acc, gu + i * tr * I * e);
-        if (!rc) rc = silu_mul32(tr, I, dt, gu, I, gu + tr * I * e, I, h);
-        if (!rc) rc = linear_rows(pairs, tr, H, I, dt, h, I, wd, I, 1, acc, out + t0 * H * e);
-    }
-    free(acc);
-    free(gu);
-    return rc;
+    const struct mlp a = {H, I, dt, pairs, x, sx, wg, wu, wd, out};
+    return fused_chunks(T, (double)T * 3 * H * I, (size_t)((I > H ? I : H) * 4 + 3 * I * ELEM[dt]), mlp_chunk, &a);
 }
