@@ -725,10 +725,27 @@ static float sumsq32(const float *r, int64_t n) {
     return finish16(acc);
 }
 
-/* native.h norm_rows with this file's sum of squares. */
+/* native.h norm_rows with this file's sum of squares, on the calling thread (the fused calls' chunks). */
+static void norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, const char *res, int64_t sres,
+                        const char *w, float eps, char *out, char *res_out) {
+    norm_rows(sumsq32, LANES, T, H, dt, x, sx, res, sres, w, eps, out, res_out);
+}
+
+/* norm_rows32, a prefill's rows split over the threads (every row alone: the same bits). An element
+ * costs about as much as 16 multiply-adds of a dot (its conversions, stores and share of the row's
+ * division), so a region pays from ~128 rows of 256. */
 void rms_norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, const char *res, int64_t sres,
                      const char *w, float eps, char *out, char *res_out) {
-    norm_rows(sumsq32, LANES, T, H, dt, x, sx, res, sres, w, eps, out, res_out);
+    const int64_t e = ELEM[dt];
+    const int nt = threads_for((double)T * H * 16);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int64_t lo, hi;
+        share(T, 1, &lo, &hi);
+        if (hi > lo)
+            norm_rows32(hi - lo, H, dt, x + lo * sx * e, sx, res ? res + lo * sres * e : NULL, sres, w, eps, out + lo * H * e,
+                        res_out ? res_out + lo * H * e : NULL);
+    }
 }
 
 /* 16 fp32 values of a V row from element d0: a BF16 row widened in registers (exact), an fp32 row as
@@ -1274,7 +1291,7 @@ static int prologue_chunk(const void *p, int64_t t0, int64_t tr, int solo, char 
                                    a->nw[i] ? rounded : o);
         if (rc) return rc;
         if (!a->nw[i]) continue;                                                       /* v: the linear alone */
-        rms_norm_rows32(tr * a->heads[i], a->D, a->dt, rounded, a->D, NULL, 0, a->nw[i], a->eps, normed, NULL);
+        norm_rows32(tr * a->heads[i], a->D, a->dt, rounded, a->D, NULL, 0, a->nw[i], a->eps, normed, NULL);
         rope_rows(tr, a->heads[i], a->D, a->dt, normed, a->cos + t0 * half, a->sin + t0 * half, o);
     }
     return 0;
@@ -1366,7 +1383,7 @@ static int linear_norm_chunk(const void *p, int64_t t0, int64_t tr, int solo, ch
     char *y = (char *)(acc + tr * a->N);
     const int rc = linear_rows(a->pairs, solo, tr, a->N, a->K, a->dt, a->x + t0 * a->sx * e, a->sx, a->w, a->sw, 1, acc, y);
     if (!rc)
-        rms_norm_rows32(tr, a->N, a->dt, y, a->N, a->res + t0 * a->sres * e, a->sres, a->nw, a->eps, a->out + t0 * a->N * e,
+        norm_rows32(tr, a->N, a->dt, y, a->N, a->res + t0 * a->sres * e, a->sres, a->nw, a->eps, a->out + t0 * a->N * e,
                         a->res_out + t0 * a->N * e);
     return rc;
 }
