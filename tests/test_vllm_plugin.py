@@ -221,6 +221,17 @@ def test_triton_backend_builds_any_batch_as_one_call(monkeypatch):
     assert group.block_table.data_ptr() == meta.block_table_tensor.data_ptr()
 
 
+def test_cache_views_follow_the_bound_tensor():
+    """The impl splits a layer's cache into K/V views once; another tensor (vLLM rebinding the
+    cache) gets its own views, never the old ones."""
+    impl = va.ConsistentAttentionImpl(4, 32, 1.0, 2)
+    first, second = _vllm_cache(4, 16, 2, 32, torch.bfloat16), _vllm_cache(4, 16, 2, 32, torch.bfloat16)
+    k, v = impl._caches(first)
+    assert impl._caches(first)[0] is k and k.data_ptr() == first.data_ptr()
+    k2, v2 = impl._caches(second)
+    assert k2.data_ptr() == second.data_ptr() and v2.data_ptr() == second.data_ptr() + 32 * second.element_size()
+
+
 def test_warmup_without_metadata_returns_zeros():
     impl = va.ConsistentAttentionImpl(4, 32, 1.0, 2)
     out = torch.full((3, 4, 32), float("nan"))

@@ -20,7 +20,9 @@ def log_softmax(logits, temperature=1.0, vocab_limit=None):
     if vocab_limit is not None and vocab_limit < z.shape[-1]:
         z = z.masked_fill(torch.arange(z.shape[-1], device=z.device) >= vocab_limit, NEG_INF)
     zs = z - z.amax(-1, keepdim=True)
-    lse = torch.log(torch.exp(zs.double()).sum(-1, keepdim=True)).float()
+    # exp in place on the fp64 copy (zs is fp32, so .double() is a fresh tensor): the same kernel and bits
+    # without a second [rows, V] fp64 buffer (~15 us a decode step of 32 x 1k)
+    lse = torch.log(zs.double().exp_().sum(-1, keepdim=True)).float()
     return zs - lse
 
 

@@ -71,6 +71,9 @@ class TrueOnPolicyForCausalLM(CausalLM):
                 scale=attention_scale(cfg.head_dim), num_kv_heads=cfg.num_kv_heads // tp.size,
                 cache_config=vllm_config.cache_config, prefix=f"model.layers.{i}.self_attn.attn",
                 attn_backend=ConsistentAttentionBackend)
+            # Python calls, not torch.ops: the opaque op only serves torch.compile, which never traces
+            # this eager model, and its dispatch cost ~30 us a layer of a CPU decode step.
+            layer.self_attn.attn.use_direct_call = True
         fuse(self.model)      # plain modules here (no trainer wrappers or adapters)
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
