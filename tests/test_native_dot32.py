@@ -239,3 +239,22 @@ def test_fused_calls_equal_the_ops(name, dtype, monkeypatch):
         finally:
             torch.set_num_threads(old)
         assert len(fused) == len(ops) and all(torch.equal(f, o) for f, o in zip(fused, ops)), (threads, t)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_rows_together_equal_rows_alone(name, dtype, monkeypatch):
+    """native.attend's p.v passes (4, 2 or 1 rows sharing each V load; V widened once for many rows,
+    read in place for few; a pass reading only the keys its rows see): each of 1..9 rows gets the bits
+    it gets alone, at positions in and past blocks of 64 and in a tail block of 22 keys."""
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
+    L, H, D = 150, 2, 64
+    k, v = _x(L, H, D, seed=31, dtype=dtype), _x(L, H, D, seed=32, dtype=dtype)
+    token = (torch.arange(L) * H * D)[None]
+    pos = torch.tensor([70, 3, 149, 64, 0, 127, 16, 131, 63])
+    q = _x(1, H, len(pos), D, seed=33, dtype=dtype)
+    def attend(rows):
+        return native.attend(q[:, :, rows], k, v, token, D, 1, pos[rows][None], torch.tensor([L]), 0.125, 128)
+    alone = torch.cat([attend([r]) for r in range(len(pos))], 2)
+    for n in range(1, len(pos) + 1):
+        assert torch.equal(attend(list(range(n))), alone[:, :, :n])

@@ -773,8 +773,9 @@ static inline v16 v_load16(const void *row, int bf16, int64_t d0) {
  * vectorised over 16 d at a time instead of over the lanes: each d gets exactly the same fmas and adds,
  * and V is used as the cache stores it (no transpose). The NR rows share each V load; their lanes are
  * taken 16 / NR at a time so that the NR x 16 / NR accumulators fit the registers (each lane its own
- * chain: the split changes no sum). Groups of 16 positions with no visible key are never reached
- * (nv16): fma(+0, +0, acc) == acc there, since a lane that starts at +0 never holds -0. */
+ * chain: the split changes no sum). Groups of 16 positions with no key visible to these rows are never
+ * reached (nv16): fma(+0, v, acc) == acc there (p = +0, v finite or a pad's +0), since a lane that starts
+ * at +0 never holds -0. */
 static inline __attribute__((always_inline)) void pv_pass(const float *p, int64_t ldp, const int64_t *rows, const int NR,
                                                           const void *const *vrow, const int bf16, int64_t nv16,
                                                           int64_t dp, float *out) {
@@ -797,16 +798,27 @@ static inline __attribute__((always_inline)) void pv_pass(const float *p, int64_
     }
 }
 
-/* pv_pass over the rows rows[0..n): two at a time, then a last one alone. */
+/* The keys (a multiple of 16) a pass over rows rows[0..nr) reads: nv16[k], row rows[k]'s, at most. */
+static inline int64_t pass_keys(const int64_t *nv16, int64_t nr) {
+    int64_t n = 0;
+    for (int64_t k = 0; k < nr; k++) n = nv16[k] > n ? nv16[k] : n;
+    return n;
+}
+
+/* pv_pass over the rows rows[0..n) (nv16[k]: row rows[k]'s visible keys rounded up to 16): four at a
+ * time (a prefill's many rows: each V load shared by more), then two, then a last one alone. */
 static void pv_rows(const float *p, int64_t ldp, const int64_t *rows, int64_t n, const void *const *vrow, int bf16,
-                    int64_t nv16, int64_t dp, float *out) {
+                    const int64_t *nv16, int64_t dp, float *out) {
     int64_t k = 0;
+    for (; k + 4 <= n; k += 4)
+        if (bf16) pv_pass(p, ldp, rows + k, 4, vrow, 1, pass_keys(nv16 + k, 4), dp, out);
+        else pv_pass(p, ldp, rows + k, 4, vrow, 0, pass_keys(nv16 + k, 4), dp, out);
     for (; k + 2 <= n; k += 2)
-        if (bf16) pv_pass(p, ldp, rows + k, 2, vrow, 1, nv16, dp, out);
-        else pv_pass(p, ldp, rows + k, 2, vrow, 0, nv16, dp, out);
+        if (bf16) pv_pass(p, ldp, rows + k, 2, vrow, 1, pass_keys(nv16 + k, 2), dp, out);
+        else pv_pass(p, ldp, rows + k, 2, vrow, 0, pass_keys(nv16 + k, 2), dp, out);
     if (k < n) {
-        if (bf16) pv_pass(p, ldp, rows + k, 1, vrow, 1, nv16, dp, out);
-        else pv_pass(p, ldp, rows + k, 1, vrow, 0, nv16, dp, out);
+        if (bf16) pv_pass(p, ldp, rows + k, 1, vrow, 1, nv16[k], dp, out);
+        else pv_pass(p, ldp, rows + k, 1, vrow, 0, nv16[k], dp, out);
     }
 }
 
@@ -850,7 +862,7 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     const int v_direct = kvs[1] == 1 && dp == D;                /* V rows too (whole 16-element loads) */
     const int v_bf16 = v_direct && tkv == BF16;                 /* ... widened in registers */
     const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 5 * R + R * D + dp + 64)
-                        + (size_t)(nq + kvp + R) * 2 + (pairs ? (size_t)((R + nq) * dq / 2 + 16) : 0);
+                        + (size_t)(nq + kvp + 2 * R) * 2 + (pairs ? (size_t)((R + nq) * dq / 2 + 16) : 0);
     const int nt = threads_for((double)S * H * R * L * D);
     int fail = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : fail)
@@ -863,13 +875,14 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     float *qb = buf, *kb = qb + R * dp, *vb = kb + npad * dp, *pb = vb + kvp * dp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
     float *fm = lrow + R, *fl = fm + R, *ca = fl + R;   /* the fold of chunks before; a later chunk's acc */
-    float *arow = ca + R * D, *zrow = arow + R;         /* each row's rescale a; a V row of zeros */
+    float *arow = ca + R * D, *zrow = arow + R;         /* each active row's rescale a; a V row of zeros */
     if (buf) memset(kb, 0, (size_t)(npad * dp + kvp * dp + R * kvp) * sizeof(float));   /* pads stay 0 */
     if (buf) memset(zrow, 0, (size_t)dp * sizeof(float));
     const uint16_t **krow = (const uint16_t **)(((uintptr_t)(zrow + dp) + 63) & ~(uintptr_t)63);
     const void **vrow = (const void **)(krow + nq);     /* block j's V rows: in the cache, vb or zrow */
     int64_t *act = (int64_t *)(vrow + kvp);             /* the rows that see some key of block j */
-    uint16_t *qb16 = (uint16_t *)(act + R), *kb16 = qb16 + R * dq;
+    int64_t *act16 = act + R;                           /* ... and the keys each sees, rounded up to 16 */
+    uint16_t *qb16 = (uint16_t *)(act16 + R), *kb16 = qb16 + R * dq;
     for (int64_t sh = lo; sh < hi; sh++) {
         const int64_t s = sh / H, h = sh % H;
         const int64_t *ts = tok + s * L;
@@ -896,6 +909,11 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             const int64_t nv16 = (nvis + LANES - 1) / LANES * LANES;
             const int64_t *tj = ts + j * KVB, hk = h * kvs[0];    /* block j's token offsets */
             const int64_t vis = slen - j * KVB < 0 ? 0 : slen - j * KVB < nvis ? slen - j * KVB : nvis;   /* V rows in the sequence */
+            int64_t na = 0;
+            for (int64_t r = 0; r < R; r++)
+                if (j * KVB <= qp[r]) act[na++] = r;   /* a block a row sees nothing of: an exact no-op (m, l, o kept) */
+            /* BF16 V read in place is widened by every pass over it: for more rows than one pass, once into vb */
+            const int v_place = v_direct && (!v_bf16 || na <= 4);
             for (int64_t n = 0; n < nvis; n++) {                 /* K and V rows in place: no branch, no copy */
                 krow[n] = (const uint16_t *)(K + (tj[n] + hk) * ekv);
                 vrow[n] = V + (tj[n] + hk) * ekv;
@@ -904,7 +922,7 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 for (int64_t n = 0; n < nvis; n++)
                     if (pairs) { copy_bf16(krow[n], D, kvs[1], dq, kb16 + n * dq); krow[n] = kb16 + n * dq; }
                     else widen32((const char *)krow[n], tkv, D, kvs[1], kb + n * dp);
-            if (!v_direct)
+            if (!v_place)
                 for (int64_t n = 0; n < vis; n++) { widen32(vrow[n], tkv, D, kvs[1], vb + n * dp); vrow[n] = vb + n * dp; }   /* d pads stay 0 */
             for (int64_t n = vis; n < nv16; n++) vrow[n] = zrow;          /* V past the sequence reads as 0; pads */
             {   /* the walk's next block (this (s, h)'s next, else the next (s, h)'s first) asked for now, to arrive
@@ -921,32 +939,43 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 if (cols && pairs) block_pairs(qb16 + r0 * dq, dq, rn, krow, cols, dq, sbuf + r0 * kvp, kvp);
                 else if (cols) block32(qb + r0 * dp, rn, kb, cols, dp, sbuf + r0 * kvp, kvp);
             }
-            int64_t na = 0;
-            for (int64_t r = 0; r < R; r++) {
-                if (j * KVB > qp[r]) continue;   /* a block this row sees nothing of: an exact no-op (m, l, o kept) */
-                float *sr = sbuf + r * kvp, bm = -INFINITY, lm[LANES];
+            /* The rows' softmax steps in passes over all active rows, not row by row: a pass's vector loads
+             * then find the last pass's narrower stores retired, not stalled waiting to forward them. */
+            for (int64_t k = 0; k < na; k++) {
+                const int64_t r = act[k];
+                float *sr = sbuf + r * kvp;
                 const int64_t see = qp[r] - j * KVB + 1 < nvis ? qp[r] - j * KVB + 1 : nvis;   /* keys this row sees */
                 for (int64_t n = 0; n < see; n++) sr[n] = sr[n] * scale;
                 for (int64_t n = see; n < kvp; n++) sr[n] = -INFINITY;
+            }
+            for (int64_t k = 0; k < na; k++) {
+                const int64_t r = act[k];
+                float bm = -INFINITY, lm[LANES];
                 v16 mx = set16(-INFINITY);
-                for (int64_t n = 0; n < kvp; n += LANES) mx = max16(load16(sr + n), mx);   /* s > m ? s : m, per lane */
+                for (int64_t n = 0; n < kvp; n += LANES) mx = max16(load16(sbuf + r * kvp + n), mx);   /* s > m ? s : m, per lane */
                 store16(lm, mx);
                 for (int i = 0; i < LANES; i++) bm = lm[i] > bm ? lm[i] : bm;
                 const float m_new = mrow[r] > bm ? mrow[r] : bm;
-                const float x = mrow[r] - m_new, a = x == 0.0f ? 1.0f : exp32_one(x);   /* exp32_one(+-0) is 1 */
-                float *pr = pb + r * kvp;
-                for (int64_t n = 0; n < see; n++) pr[n] = sr[n] - m_new;
-                exp32_rows(pr, pr, see);
-                for (int64_t n = see; n < KVB; n++) pr[n] = 0.0f;     /* exp32(-inf): the masked keys */
-                lrow[r] = lrow[r] * a + lane_sum32(pr, KVB);
+                arow[k] = mrow[r] - m_new;
                 mrow[r] = m_new;
-                arow[r] = a;
-                act[na++] = r;
             }
-            pv_rows(pb, kvp, act, na, vrow, v_bf16, nv16, dp, pv);   /* pv[r][d] = contract_dot(p, v) */
+            exp32_rows(arow, arow, na);                           /* each active row's rescale a */
             for (int64_t k = 0; k < na; k++) {
                 const int64_t r = act[k];
-                for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * arow[r] + pv[r * dp + d];
+                const float *sr = sbuf + r * kvp;
+                float *pr = pb + r * kvp;
+                const int64_t see = qp[r] - j * KVB + 1 < nvis ? qp[r] - j * KVB + 1 : nvis;
+                const int64_t e8 = (see + 7) / 8 * 8 < KVB ? (see + 7) / 8 * 8 : KVB;   /* whole vectors of exp */
+                for (int64_t n = 0; n < e8; n++) pr[n] = sr[n] - mrow[r];
+                exp32_rows(pr, pr, e8);
+                for (int64_t n = see; n < KVB; n++) pr[n] = 0.0f;     /* exp32(-inf): the masked keys */
+                act16[k] = (see + LANES - 1) / LANES * LANES;
+            }
+            pv_rows(pb, kvp, act, na, vrow, v_bf16 && v_place, act16, dp, pv);   /* pv[r][d] = contract_dot(p, v) */
+            for (int64_t k = 0; k < na; k++) {
+                const int64_t r = act[k];
+                lrow[r] = lrow[r] * arow[k] + lane_sum32(pb + r * kvp, KVB);
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] = acc[r * D + d] * arow[k] + pv[r * dp + d];
             }
         }
         chunk_finish(j, per_chunk, R, D, exp32_one, fm, fl, o, mrow, lrow, ca);
