@@ -7,6 +7,7 @@ A command is a line of a ```bash block, or an inline code span that starts, afte
 ``readme_command(prefix)`` gives a test the (env, argv) of one of them, so the string lives
 in the README only; tests/test_readme_commands.py checks every command is run by a test or
 named as needing hardware or a network CI lacks."""
+import importlib
 import re
 import shlex
 import sys
@@ -82,3 +83,10 @@ def readme_command(prefix: str, python=sys.executable, fill=None):
     elif argv[0] == "bash" and argv[1].startswith("scripts/"):
         argv[1] = str(ROOT / argv[1])
     return env, argv
+
+
+def benchmark(monkeypatch, name: str):
+    """benchmarks/<name>.py (a script the README runs) imported fresh as a module, for unit tests of its parts."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)

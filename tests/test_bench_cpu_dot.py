@@ -3,11 +3,10 @@ realisation this CPU has, beside torch's matmul; a bad value is one line, exit 2
 import json
 import os
 import subprocess
-import sys
 
 import torch
 from consistent_ops.reference import native
-from readme import ROOT, readme_command
+from readme import ROOT, benchmark, readme_command
 
 SHAPES = ["qkv", "o_proj", "expert gate_up", "expert down", "qkv decode", "o_proj decode"]
 
@@ -43,11 +42,9 @@ def test_bad_amx_switch_is_one_line(monkeypatch):
 def test_each_case_runs_in_its_own_realisation(monkeypatch):
     """The cases are made together and interleaved: each sets its realisation when called (it was
     set when made, so every case ran the last one's)."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     monkeypatch.setenv("CONSISTENT_OPS_CPU_ACCUMULATION", "fp32")
     monkeypatch.setenv(native.AMX_ENV, "0")
-    sys.modules.pop("bench_cpu_dot", None)
-    import bench_cpu_dot
+    bench_cpu_dot = benchmark(monkeypatch, "bench_cpu_dot")
     a, w = torch.randn(8, 300).bfloat16(), torch.randn(16, 300).bfloat16()
     cases = {name: bench_cpu_dot.ours(name, a, w) for name in ("fp32", "bf16")}
     pairs = native.dot32p_matmul(a, w.t())

@@ -6,11 +6,10 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from readme import ROOT, readme_command
+from readme import ROOT, benchmark, readme_command
 
 TINY = ["--prompts", "2", "--prompt-len", "8", "--steps", "2", "--repeats", "1"]
 
@@ -23,10 +22,7 @@ def _run(*args):
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("bench_cpu_step", None)
-    import bench_cpu_step
-    return bench_cpu_step
+    return benchmark(monkeypatch, "bench_cpu_step")
 
 
 def test_every_case_at_every_thread_count(tmp_path):

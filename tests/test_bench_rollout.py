@@ -8,15 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from readme import ROOT
+from readme import ROOT, benchmark
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    sys.modules.pop("bench_rollout", None)
-    import bench_rollout
-    return bench_rollout
+    return benchmark(monkeypatch, "bench_rollout")
 
 
 def test_split_steps_prefill_is_every_forward_of_more_tokens_than_requests(bench):
