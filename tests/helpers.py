@@ -66,9 +66,10 @@ class PagedCache:
         return torch.tensor(table)[pos // self.page_size] * self.page_size + pos % self.page_size
 
 
-def paged_step(model, cache, chunks):
+def paged_step(model, cache, chunks, layers=False):
     """Run one engine step. chunks: list of (seq_id, tokens [n], start_pos). Returns fp32
-    logits for every new token, concatenated, through the rollout-style paged path."""
+    logits for every new token, concatenated, through the rollout-style paged path; layers: the
+    model also gets each layer's paged cache and metadata (as vLLM's model class passes them)."""
     ids = torch.cat([t for _, t, _ in chunks])
     pos = torch.cat([torch.arange(s, s + len(t)) for _, t, s in chunks])
     slots = torch.cat([cache.slots(sid, s, len(t)) for sid, t, s in chunks])
@@ -81,7 +82,8 @@ def paged_step(model, cache, chunks):
         co.write_kv_cache(k, v, cache.k[i], cache.v[i], slots)
         return co.attention_paged(q, cache.k[i], cache.v[i], table, seq_lens, qsl)
 
-    return model.compute_logits(model.model(ids, pos, attend))
+    paged = (lambda i: (cache.k[i], cache.v[i], slots, table, seq_lens, qsl)) if layers else None
+    return model.compute_logits(model.model(ids, pos, attend, paged=paged))
 
 
 def free_port():

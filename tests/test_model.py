@@ -22,13 +22,13 @@ def trainer_logits(model, seqs):
         return model.forward_packed(ids, pos).split([len(s) for s in seqs])
 
 
-def rollout_logits(model, seqs, chunk, page_size):
-    """Every sequence advances `chunk` tokens per engine step, all in one batch."""
+def rollout_logits(model, seqs, chunk, page_size, layers=False):
+    """Every sequence advances `chunk` tokens per engine step, all in one batch (layers: paged_step's)."""
     cache, out = PagedCache(model.cfg, page_size, seed=page_size), [[] for _ in seqs]
     with torch.no_grad():
         for start in range(0, max(map(len, seqs)), chunk):
             live = [(i, s[start:start + chunk], start) for i, s in enumerate(seqs) if start < len(s)]
-            logits = paged_step(model, cache, live).split([len(t) for _, t, _ in live])
+            logits = paged_step(model, cache, live, layers).split([len(t) for _, t, _ in live])
             for (i, _, _), lg in zip(live, logits):
                 out[i].append(lg)
     return [torch.cat(o) for o in out]
@@ -45,6 +45,29 @@ def test_rollout_paths_equal_trainer(arch, fused):
     for chunk, page_size in ((1000, 16), (13, 32), (1, 64), (64, 16)):
         got = rollout_logits(model, seqs, chunk, page_size)
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), (chunk, page_size)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_steps_one_call_per_layer(arch, monkeypatch):
+    """The rollout's CPU decode steps with each layer's paged cache given (vLLM's model class): one
+    native call per layer (co.decode_layer), the trainer's bits; steps of more than one token per
+    sequence and the trainer's modules run the ops. Companion: a layer whose call gets another
+    post-attention eps than its ops use gives other logits (the call is what ran)."""
+    from consistent_ops.reference import native
+    model, seqs = random_model(tiny_config(arch)), prompts()
+    ref, calls, real = trainer_logits(model, seqs), [], native.decode_layer
+    monkeypatch.setattr(native, "decode_layer", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    rollout_logits(model, seqs, 1, 16, layers=True)
+    assert not calls                                        # unfused modules: the ops
+    fuse(model)
+    for chunk in (1, 13):
+        got = rollout_logits(model, seqs, chunk, 16, layers=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), chunk
+    steps = [sum(len(s) > i for s in seqs) for i in range(max(map(len, seqs)))]
+    assert calls == [n for n in steps for _ in model.model.layers]   # chunk 13: no step of one token each
+    monkeypatch.setattr(native, "decode_layer", lambda x, r, w, *a: real(x, r, w._replace(post_eps=1e-2), *a))
+    got = rollout_logits(model, seqs, 1, 16, layers=True)
+    assert not all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_one_gemm_for_q_k_v_and_loads_land_in_it(monkeypatch):

@@ -226,9 +226,9 @@ def test_cache_views_follow_the_bound_tensor():
     cache) gets its own views, never the old ones."""
     impl = va.ConsistentAttentionImpl(4, 32, 1.0, 2)
     first, second = _vllm_cache(4, 16, 2, 32, torch.bfloat16), _vllm_cache(4, 16, 2, 32, torch.bfloat16)
-    k, v = impl._caches(first)
-    assert impl._caches(first)[0] is k and k.data_ptr() == first.data_ptr()
-    k2, v2 = impl._caches(second)
+    k, v = impl.caches(first)
+    assert impl.caches(first)[0] is k and k.data_ptr() == first.data_ptr()
+    k2, v2 = impl.caches(second)
     assert k2.data_ptr() == second.data_ptr() and v2.data_ptr() == second.data_ptr() + 32 * second.element_size()
 
 

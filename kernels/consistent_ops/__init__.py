@@ -7,6 +7,7 @@ what both engines log and must agree on.
 """
 from .contract import KV_BLOCK, fingerprint
 from .dispatch import backend_device, backend_name, contract_fingerprint, get_backend, set_backend
+from .decoder import DecoderWeights
 from .experts import ExpertStack
 
 
@@ -61,6 +62,18 @@ def mlp(x, gate, up, down):
     one for these tensors (the same bits as those ops); None otherwise."""
     fused = getattr(get_backend(), "mlp", None)
     return fused(x, gate, up, down) if fused else None
+
+
+def decode_layer(x, residual, weights, cos, sin, key_cache, value_cache, slot_mapping, block_table, seq_lens,
+                 query_start_loc):
+    """A whole decoder layer (DecoderWeights: add_rms_norm, attention_prologue, write_kv_cache,
+    attention_paged, linear_add_rms_norm, then mlp or moe_route + moe_experts) for a step of one new
+    token per sequence (x [S, H], residual [S, H] or None for the first layer), on a paged cache and
+    metadata as attention_paged takes them: (the MLP's output, the residual after attention) in one
+    call where the backend has one for these tensors (the same bits as those ops); None otherwise."""
+    fused = getattr(get_backend(), "decode_layer", None)
+    return fused(x, residual, weights, cos, sin, key_cache, value_cache, slot_mapping, block_table, seq_lens,
+                 query_start_loc) if fused else None
 
 
 def row_parallel_partial(x_shard, w_shard):

@@ -1,6 +1,7 @@
 """Reference backend: plain PyTorch on any device. It is the readable spec of the contract."""
 from ..contract import CPU_ACCUMULATION
 from .attention import attention_paged, attention_varlen, write_kv_cache
+from .decoder import decode_layer
 from .linear import (attention_prologue, finish_row_parallel, linear, linear_add_rms_norm, mlp, ordered_sum,
                      row_parallel_partial)
 from .logprobs import log_softmax, token_logprobs

@@ -231,7 +231,7 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
     bound for backends that size grids by it) is not needed here: the lengths are read."""
     _check_heads(q.shape[1], key_cache.shape[2])
     scale = attention_scale(q.shape[-1]) if scale is None else scale
-    layout = _PagedLayout.of(q, key_cache, block_table, seq_lens, query_start_loc)
+    layout = _PagedLayout.of(q.shape[:2], q.device, key_cache, block_table, seq_lens, query_start_loc)
     if layout.padded:    # padding (a padded capture size): rows of no request are 0
         return _padded_batch(q, key_cache, value_cache, block_table, seq_lens, layout.starts, layout.lens, scale)
     if layout.token is None:
@@ -264,43 +264,44 @@ class _PagedLayout:
 
     _last = None
 
-    def __init__(self, q, key_cache, block_table, seq_lens, query_start_loc):
+    def __init__(self, rows, device, key_cache, block_table, seq_lens, query_start_loc):
+        """rows: (query rows T, query heads Hq) of the step; device: the queries'."""
         bounds = query_start_loc.tolist()
         self.starts, self.lens = bounds[:-1], [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-        self.padded = 0 in self.lens or bounds[-1] < q.shape[0]
+        self.padded = 0 in self.lens or bounds[-1] < rows[0]
         self.token, self.decode = None, False
         if self.padded:
             return
         self.width = width = max(self.lens)
-        self.seq_lens = seq_lens = seq_lens.to(device=q.device, dtype=torch.long)
+        self.seq_lens = seq_lens = seq_lens.to(device=device, dtype=torch.long)
         if min(self.lens) == width:      # e.g. decode: positions seq_len - width .. seq_len - 1, none past the end
-            qpos = seq_lens[:, None] + torch.arange(-width, 0, device=q.device)
+            qpos = seq_lens[:, None] + torch.arange(-width, 0, device=device)
         else:
-            n_new = torch.tensor(self.lens, device=q.device)
-            qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=q.device)[None, :]
+            n_new = torch.tensor(self.lens, device=device)
+            qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=device)[None, :]
             qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
         # [S, G * width], contiguous (native.attend would copy it every layer): qpos.repeat(1, G) in half its time
-        rows = qpos.unsqueeze(1).expand(-1, q.shape[1] // key_cache.shape[2], -1)
-        self.qpos, self.rows_qpos = qpos, rows.contiguous().flatten(1)
-        self.table = block_table.to(device=q.device, dtype=torch.long)
+        grouped = qpos.unsqueeze(1).expand(-1, rows[1] // key_cache.shape[2], -1)
+        self.qpos, self.rows_qpos = qpos, grouped.contiguous().flatten(1)
+        self.table = block_table.to(device=device, dtype=torch.long)
         self.walked = (int(qpos.max()) // KV_BLOCK + 1) * KV_BLOCK
-        if q.is_cpu and key_cache.dtype in native.DTYPES:
+        if device.type == "cpu" and key_cache.dtype in native.DTYPES:
             # [S, L]; columns past a sequence's last page repeat it (masked keys; V reads as zero there).
             self.token = native.paged_tokens(self.table, seq_lens, self.walked, key_cache.shape[1],
                                              *key_cache.stride()[:2])
             self.token_range = tuple(int(t) for t in self.token.aminmax())
             # q's rows are the requests' one new token each, in order (attention_paged's _decode)
-            self.decode = width == 1 and bounds[0] == 0 and bounds[-1] == q.shape[0]
+            self.decode = width == 1 and bounds[0] == 0 and bounds[-1] == rows[0]
 
     @classmethod
-    def of(cls, q, key_cache, block_table, seq_lens, query_start_loc):
-        key = (q.shape, q.device, key_cache.shape, key_cache.stride(), key_cache.dtype)
+    def of(cls, rows, device, key_cache, block_table, seq_lens, query_start_loc):
+        key = (tuple(rows), device, key_cache.shape, key_cache.stride(), key_cache.dtype)
         last = cls._last
         if (last is not None and last[0][0] is block_table and last[0][1] is seq_lens
                 and last[0][2] is query_start_loc and last[1] == key
                 and all(torch.equal(a, b) for a, b in zip(last[2], (block_table, seq_lens, query_start_loc)))):
             return last[3]
-        layout = cls(q, key_cache, block_table, seq_lens, query_start_loc)
+        layout = cls(rows, device, key_cache, block_table, seq_lens, query_start_loc)
         metadata = (block_table, seq_lens, query_start_loc)
         cls._last = (metadata, key, [t.clone() for t in metadata], layout)
         return layout

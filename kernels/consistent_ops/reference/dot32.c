@@ -1447,3 +1447,67 @@ int mlp32(int64_t T, int64_t H, int64_t I, int dt, const char *x, int64_t sx, co
     const struct mlp a = {H, I, dt, pairs, x, sx, wg, wu, wd, out};
     return fused_chunks(T, (double)T * 3 * H * I, (size_t)((I > H ? I : H) * 4 + 3 * I * ELEM[dt]), mlp_chunk, &a);
 }
+
+/* models/qwen3.py DecoderLayer.forward for a step of one new token per sequence against a paged cache
+ * (CPU inference, fp32/bf16 realisations: the rollout's decode steps), in one call instead of a Python
+ * call per op: x (+ res) -> RMSNorm (rms_norm_rows32; no res: the residual is x), the attention prologue
+ * (attn_prologue32), the K/V write (write_kv), the attention of token s as sequence s (attend_lanes over
+ * tok/qpos/seq_len, as native.attend; its fp32 output rounded to dt, as attention_paged returns it),
+ * o_proj + residual add + RMSNorm (linear_add_norm32), then the dense MLP (mlp32: wg, wu, wd) or, when
+ * E > 0, the MoE block (moe_router32 with router wg, moe_experts32 over the stacks gu/dn, combined): the
+ * calls the ops make one by one, so the same bits. Every field 8 bytes (native.py packs them in this
+ * order). out [T, H] is the MLP's output, res_out [T, H] the residual after attention. Intermediates in
+ * the calling thread's scratch slot 3. Returns 0, -1 when out of memory, -2 when a slot falls past the
+ * cache's pages. */
+struct decode_layer {
+    int64_t T, H, D, hq, hkv, I, E, top_k, moe_norm, dt, pairs;
+    const char *x, *res, *in_norm, *wq, *wk, *wv;
+    int64_t sw;
+    const char *qn, *kn;
+    const float *cos, *sin;
+    char *kc, *vc;
+    int64_t cs[4];                                  /* the caches' strides {page, position, head, dim} */
+    const int64_t *slots;
+    int64_t pages, ps;
+    const int64_t *tok;
+    int64_t L;
+    const int64_t *qpos, *seq_len;
+    int64_t kv_block, chunk;
+    const char *wo, *post_norm, *wg, *wu, *wd;     /* MoE: wg the router [E, H], wu / wd the stacks */
+    int64_t sgu[3], sdn[3];                         /* MoE: the stacks' strides {expert, n, k} */
+    char *out, *res_out;
+};
+
+int decode_layer32(const struct decode_layer *a, float eps_in, float eps_qk, float eps_post, float scale) {
+    const int64_t T = a->T, H = a->H, D = a->D, e = ELEM[a->dt], hd = a->hq * D, kd = a->hkv * D, k = a->top_k;
+    const int dt = (int)a->dt, pairs = (int)a->pairs;
+    const size_t acts = (size_t)(T * (2 * H + hd + 2 * kd + hd + H) * e), moe = a->E ? (size_t)(T * k * (8 + 4 + 4 * H + 1)) : 0;
+    char *h = scratch_slot(3, acts + (size_t)(T * hd * 4) + moe + 64);
+    if (!h) return -1;
+    char *res1 = h + T * H * e, *q = res1 + T * H * e, *kk = q + T * hd * e, *v = kk + T * kd * e, *heads = v + T * kd * e;
+    char *h2 = heads + T * hd * e;
+    float *att = (float *)(((uintptr_t)(h2 + T * H * e) + 63) & ~(uintptr_t)63);
+    if (a->res) rms_norm_rows32(T, H, dt, a->x, H, a->res, H, a->in_norm, eps_in, h, res1);
+    else rms_norm_rows32(T, H, dt, a->x, H, NULL, 0, a->in_norm, eps_in, h, NULL);
+    const char *res = a->res ? res1 : a->x;
+    int rc = attn_prologue32(T, H, D, a->hq, a->hkv, dt, h, H, a->wq, a->wk, a->wv, a->sw, a->qn, a->kn, eps_qk, a->cos,
+                             a->sin, pairs, q, kk, v);
+    if (rc) return rc;
+    const int64_t ks[3] = {kd, D, 1};
+    if (write_kv(T, a->hkv, D, e, kk, ks, v, ks, a->kc, a->vc, a->cs, a->slots, a->pages, a->ps)) return -2;
+    const int64_t G = a->hq / a->hkv;
+    const int64_t dims[7] = {T, a->hkv, G, D, a->L, a->kv_block, a->chunk}, qs[3] = {hd, G * D, D}, kvs[2] = {a->cs[2], a->cs[3]};
+    rc = attend_lanes(dims, q, dt, qs, a->kc, a->vc, dt, a->tok, kvs, a->qpos, a->seq_len, scale, att, pairs);
+    if (rc) return rc;
+    round_rows(att, dt, T * hd, heads);
+    rc = linear_add_norm32(T, hd, H, dt, heads, hd, a->wo, hd, res, H, a->post_norm, eps_post, pairs, h2, a->res_out);
+    if (rc) return rc;
+    if (!a->E) return mlp32(T, H, a->I, dt, h2, H, a->wg, a->wu, a->wd, pairs, a->out);
+    int64_t *ids = (int64_t *)(att + T * hd);
+    float *w = (float *)(ids + T * k), *contrib = w + T * k;
+    uint8_t *owned = (uint8_t *)(contrib + T * k * H);
+    rc = moe_router32(T, a->E, H, dt, h2, H, a->wg, H, pairs, k, (int)a->moe_norm, ids, w);
+    if (rc) return rc;
+    return moe_experts32(T, k, H, a->I, dt, h2, H, ids, w, 0, a->E, a->wu, a->sgu, a->wd, a->sdn, pairs, contrib, owned,
+                         a->out);
+}

@@ -118,6 +118,8 @@ def library():
             lib.linear_add_norm32.restype = ctypes.c_int
             lib.mlp32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, p, p, ctypes.c_int, p]
             lib.mlp32.restype = ctypes.c_int
+            f32 = ctypes.c_float
+            lib.decode_layer32.argtypes, lib.decode_layer32.restype = [p, f32, f32, f32, f32], ctypes.c_int
             lib.dot32_isa.argtypes, lib.dot32_isa.restype = [], ctypes.c_int
             lib.dot32_tile_engine.argtypes, lib.dot32_tile_engine.restype = [], ctypes.c_int
             lib.dot32_tiles_variant.argtypes, lib.dot32_tiles_variant.restype = [ctypes.c_int], ctypes.c_int
@@ -460,3 +462,40 @@ def mlp(x, gate, up, down):
                        gate.data_ptr(), up.data_ptr(), down.data_ptr(), int(_kernel(x, gate) == "32p"), out.data_ptr()):
         raise MemoryError("consistent_ops mlp: out of memory for its buffers")
     return out
+
+
+def decode_layer(x, residual, w, cos, sin, key_cache, value_cache, slots, layout, scale, chunk):
+    """reference/decoder.py's decoder layer for a step of one new token per sequence in one call (dot32.c
+    decode_layer32): the calls of rms_norm, attention_prologue, write_kv, attend, linear_add_rms_norm and
+    mlp (or moe_router and moe_experts) one by one, so the same bits. x, residual (or None) [T, H] and
+    every weight of w (a consistent_ops.DecoderWeights) of one ACTIVATIONS dtype, contiguous; caches
+    [pages, page_size, Hkv, D] of x's dtype (one layout); slots int64 [T]; layout: the step's
+    attention._PagedLayout (token offsets, rows' positions, seq_lens). Returns (out, new residual). No autograd."""
+    t, h = x.shape
+    d = w.q_norm.shape[0]
+    hq, hkv = w.wq.shape[0] // d, w.wk.shape[0] // d
+    lo, hi = layout.token_range
+    reach = hi + (hkv - 1) * key_cache.stride(2) + (d - 1) * key_cache.stride(3)
+    for c in (key_cache, value_cache):
+        if lo < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
+            raise IndexError(f"attend: K/V offsets up to {reach} fall outside the cache tensor")
+    moe = w.experts is not None
+    inter = w.experts.down.shape[-1] if moe else w.gate.shape[0]
+    out, res_out = torch.empty(t, h, dtype=x.dtype), torch.empty(t, h, dtype=x.dtype)
+    ptr = lambda u: 0 if u is None else u.data_ptr()   # noqa: E731
+    gate, up, down = ((w.router, w.experts.gate_up, w.experts.down) if moe else (w.gate, w.up, w.down))
+    fields = _int64s((
+        t, h, d, hq, hkv, inter, w.router.shape[0] if moe else 0, w.top_k, int(w.norm_topk_prob), DTYPES[x.dtype],
+        int(_kernel(x, w.wq) == "32p"), x.data_ptr(), ptr(residual), w.in_norm.data_ptr(), w.wq.data_ptr(),
+        w.wk.data_ptr(), w.wv.data_ptr(), w.wq.stride(0), w.q_norm.data_ptr(), w.k_norm.data_ptr(), cos.data_ptr(),
+        sin.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride(), slots.data_ptr(),
+        key_cache.shape[0], key_cache.shape[1], layout.token.data_ptr(), layout.token.shape[1],
+        layout.rows_qpos.data_ptr(), layout.seq_lens.data_ptr(), KV_BLOCK, chunk, w.wo.data_ptr(),
+        w.post_norm.data_ptr(), gate.data_ptr(), up.data_ptr(), down.data_ptr(),
+        *(up.stride() if moe else (0, 0, 0)), *(down.stride() if moe else (0, 0, 0)), out.data_ptr(), res_out.data_ptr()))
+    rc = library().decode_layer32(fields, w.in_eps, w.qk_eps, w.post_eps, scale)
+    if rc == -2:
+        raise IndexError(f"write_kv_cache: a slot falls past the cache's {key_cache.shape[0]} pages")
+    if rc:
+        raise MemoryError("consistent_ops decode_layer: out of memory for its buffers")
+    return out, res_out

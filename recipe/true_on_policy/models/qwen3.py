@@ -250,13 +250,44 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
-    def forward(self, hidden, residual, rope, attend):
+    def forward(self, hidden, residual, rope, attend, paged=None):
         """HF order: x = x + attn(norm(x)); x = x + mlp(norm(x)); the residual add is
-        fused into the next norm (the same bf16 add either way)."""
+        fused into the next norm (the same bf16 add either way). paged: the host's (key cache, value
+        cache, slot mapping, block table, seq_lens, query_start_loc) of this layer's step (what attend
+        passes attention_paged), where the rollout lets the whole layer be one call (co.decode_layer:
+        the same ops' bits); None, or a layer the call does not cover, runs the ops."""
+        if paged is not None:
+            out = self._decode(hidden, residual, rope, paged)
+            if out is not None:
+                return out
         norm, mlp = _children(self, "input_layernorm", "mlp")
         h, residual = norm(hidden, residual, fuse_residual=True)
         h, residual = self._attention(h, residual, rope, attend)
         return mlp(h), residual
+
+    def _decode(self, hidden, residual, rope, paged):
+        """co.decode_layer of this layer's weights, or None where the ops must run: modules not fused
+        (the trainer's), hooked (check --localize), sharded (TP) or with biases."""
+        attn, mlp, n_in, n_post = _children(self, "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+        qp, kp, vp, op, qn, kn = _children(attn, "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        if not (attn.fused and mlp.fused and op.tp.size == 1 and qp.bias is None and op.bias is None):
+            return None
+        if isinstance(mlp, SparseMoeBlock):
+            if mlp.tp.sharded:
+                return None
+            experts, gate = _children(mlp, "experts", "gate")
+            ffn, parts = {"router": gate.weight, "experts": experts.stack(hidden.dtype), "top_k": mlp.top_k,
+                          "norm_topk_prob": mlp.norm_topk_prob}, (experts, gate)
+        else:
+            g, u, d = parts = _children(mlp, "gate_proj", "up_proj", "down_proj")
+            if d.tp.size != 1:
+                return None
+            ffn = dict(zip(("gate", "up", "down"), _weights(g, u, d)))
+        if _hooked(self, attn, mlp, n_in, n_post, qp, kp, vp, op, qn, kn, *parts):
+            return None
+        weights = co.DecoderWeights(*_weights(n_in), n_in.eps, *_weights(qp, kp, vp, qn, kn), qn.eps, *_weights(op, n_post),
+                                    n_post.eps, **ffn)
+        return co.decode_layer(hidden, residual, weights, rope.cos, rope.sin, *paged)
 
     def _attention(self, h, residual, rope, attend):
         """Attention and the post-attention residual add + RMSNorm; in the rollout o_proj, the add
@@ -281,8 +312,9 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.gradient_checkpointing = False   # the name transformers' switch sets
 
-    def forward(self, input_ids, positions, attend, hidden=None):
-        """attend(layer_idx, q, k, v) -> [T, Hq, D]; ``hidden`` overrides the embedding."""
+    def forward(self, input_ids, positions, attend, hidden=None, paged=None):
+        """attend(layer_idx, q, k, v) -> [T, Hq, D]; ``hidden`` overrides the embedding; paged(layer_idx):
+        the layer's paged cache and metadata (DecoderLayer.forward) or None, from a host that has them."""
         if hidden is None:
             hidden = self.embed_tokens(input_ids, self.cfg.dtype)
         rope = RotaryTable(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
@@ -291,7 +323,8 @@ class Qwen3Model(nn.Module):
         for i, layer in enumerate(self.layers):
             args = (hidden, residual, rope, lambda q, k, v, i=i: attend(i, q, k, v))
             # Recomputation repeats the same ops on the same inputs: the same bits.
-            hidden, residual = (checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args))
+            hidden, residual = (checkpoint(layer, *args, use_reentrant=False) if recompute
+                                else layer(*args, paged(i) if paged else None))
         return self.norm(hidden, residual, fuse_residual=True)[0]
 
 

@@ -156,9 +156,9 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
         self.scale = scale            # unused: the op's default 1/sqrt(D) is what the trainer uses too
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
-        self._split = None          # (this layer's cache tensor, its K and V views): _caches
+        self._split = None          # (this layer's cache tensor, its K and V views): caches
 
-    def _caches(self, kv_cache):
+    def caches(self, kv_cache):
         """K, V views of the layer's cache, made once: vLLM binds one tensor per layer and passes it to
         every call (twice a step), so the views (split_kv_cache's ~4 us) only change with the tensor."""
         if self._split is None or self._split[0] is not kv_cache:
@@ -166,7 +166,7 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
         return self._split[1:]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-        k_cache, v_cache = self._caches(kv_cache)
+        k_cache, v_cache = self.caches(kv_cache)
         n = key.shape[0]
         co.write_kv_cache(key, value, k_cache, v_cache, slot_mapping[:n])
 
@@ -177,7 +177,7 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
         if attn_metadata is None:          # warm-up / memory profiling: no cache yet
             return output.zero_()
         n = attn_metadata.num_tokens
-        k_cache, v_cache = self._caches(kv_cache)
+        k_cache, v_cache = self.caches(kv_cache)
         for g in attn_metadata.groups:
             q = query[:n] if g.rows is None else query[g.rows]
             out = co.attention_paged(q, k_cache, v_cache, g.block_table, g.seq_lens, g.query_start_loc,

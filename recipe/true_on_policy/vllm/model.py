@@ -29,9 +29,11 @@ from true_on_policy.models.causal_lm import LM_HEAD, sync_names
 from true_on_policy.models.qwen3 import fuse
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+from vllm.distributed.kv_transfer import has_kv_transfer_group
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
-from .attention import ConsistentAttentionBackend
+from .attention import ConsistentAttentionBackend, ConsistentAttentionMetadata
 
 log = logging.getLogger("vllm.true_on_policy")  # under vLLM's logger: same handler and format
 
@@ -75,6 +77,8 @@ class TrueOnPolicyForCausalLM(CausalLM):
             # this eager model, and its dispatch cost ~30 us a layer of a CPU decode step.
             layer.self_attn.attn.use_direct_call = True
         fuse(self.model)      # plain modules here (no trainer wrappers or adapters)
+        # CPU decode steps: each layer one native call (co.decode_layer), the cache and metadata read here
+        self.layer_calls = co.backend_name() == "reference"
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
@@ -97,13 +101,34 @@ class TrueOnPolicyForCausalLM(CausalLM):
         out = self.model.layers[layer_idx].self_attn.attn(q, k, v)
         return out.view(q.shape)
 
+    def _paged(self, layer_idx):
+        """What vLLM's Attention layer would pass the backend for this layer's step (Qwen3Model.forward's
+        paged): (K, V cache views, slot mapping, block table, seq_lens, query_start_loc), when the step is
+        one attention call over every row (a decode step on CPU: ConsistentAttentionImpl.forward's single
+        group) and nothing else hooks the layer's attention (a KV connector: vLLM's layer then runs);
+        else None. The layer then writes and reads the cache itself, as do_kv_cache_update and forward do."""
+        attn = self.model.layers[layer_idx].self_attn.attn
+        ctx = get_forward_context()
+        meta, slots = ctx.attn_metadata, ctx.slot_mapping
+        if isinstance(meta, dict):
+            meta = meta.get(attn.layer_name)
+        if (not isinstance(meta, ConsistentAttentionMetadata) or len(meta.groups) != 1 or meta.groups[0].rows is not None
+                or not isinstance(slots, dict) or not isinstance(attn.kv_cache, torch.Tensor)):
+            return None
+        slots = slots.get(attn.layer_name)
+        if slots is None or has_kv_transfer_group():
+            return None
+        g = meta.groups[0]
+        return (*attn.impl.caches(attn.kv_cache), slots[:meta.num_tokens], g.block_table, g.seq_lens, g.query_start_loc)
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids, self.cfg.dtype)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **_):
         if intermediate_tensors is not None:
             raise NotImplementedError("true_on_policy: pipeline parallelism is not supported")
-        return self.model(input_ids, positions, self._attend, hidden=inputs_embeds)
+        return self.model(input_ids, positions, self._attend, hidden=inputs_embeds,
+                          paged=self._paged if self.layer_calls else None)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits, identical on every TP rank (each rank runs the sampler). The first call
