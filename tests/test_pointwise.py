@@ -48,6 +48,23 @@ def test_pointwise_accuracy_vs_float64():
     assert ((co.silu_mul(X, X.flip(0)).double() - ref).abs().max() / ref.abs().max()) < 1e-6
 
 
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                                              "beta_fast": 32, "beta_slow": 1, "truncate": True, "attention_factor": 1.2}])
+def test_rope_table_rows_are_the_direct_rows(scaling):
+    """The rollout's table (CPU inference mode: rows gathered from a table grown a block at a time)
+    gives the direct computation's bits (the trainer's: no inference mode), in any order of growth
+    (a decode step's 32 positions, then a jump past several blocks, then positions inside it)."""
+    from consistent_ops.reference import pointwise
+    pointwise._TABLES.clear()
+    steps = [torch.arange(100, 132), torch.arange(5000).flip(0), torch.tensor([3, 4095, 1000, 0]), torch.arange(7000, 7300)]
+    with torch.inference_mode():
+        got = [co.rope_cos_sin(p, 64, 1e6, scaling) for p in steps]
+    assert next(iter(pointwise._TABLES.values()))[0].shape[0] == 7424      # whole blocks of ROPE_TABLE_BLOCK
+    for p, (c, s) in zip(steps, got):
+        want = co.rope_cos_sin(p, 64, 1e6, scaling)
+        assert torch.equal(c, want[0]) and torch.equal(s, want[1]) and c.is_contiguous()
+
+
 def test_rope_depends_on_position_only():
     pos = torch.arange(5000)
     cos, sin = co.rope_cos_sin(pos, 64, 1e6)

@@ -7,22 +7,36 @@ from . import native
 from .core import exp32, recording
 
 
-_INV_FREQ = {}      # repr((head_dim, theta, scaling)) -> rope_inv_freq of those (a function of them alone), CPU
+_TABLES = {}        # repr((head_dim, theta, scaling)) -> (cos, sin) fp32 rows of positions 0 .. n-1, CPU
+# Positions a table grows by: 256 x D/2 fp64 angles stay below ATen's parallel grain (32768), so a block's
+# trig is one thread's vector loop over whole vectors, as a decode step's T x D/2 is.
+ROPE_TABLE_BLOCK = 256
 
 
 def rope_cos_sin(positions, head_dim, theta, scaling=None):
     """cos, sin [T, head_dim/2] fp32 for integer positions [T]; each row depends on its
     position alone (fp64 angles and trig, one rounding), never on the table length.
-    ``scaling``: None (plain RoPE) or the resolved parameters of a scaled RoPE (contract "rope")."""
-    if positions.is_cpu and torch.is_inference_mode_enabled():
-        # the rollout: the frequencies once per parameter set, not every forward (~20 us at decode); as
-        # core.kept, only under inference mode (made and used there; no tracing or autograd around them)
-        key = repr((head_dim, theta, scaling))
-        inv_freq = _INV_FREQ.get(key)
-        if inv_freq is None:
-            inv_freq = _INV_FREQ[key] = rope_inv_freq(head_dim, theta, scaling)
-    else:
-        inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
+    ``scaling``: None (plain RoPE) or the resolved parameters of a scaled RoPE (contract "rope").
+    The rollout (CPU, inference mode) gathers the rows from a table of every position seen so far,
+    grown a block at a time by the same steps: a decode step's trig was ~60 us of Python and ATen."""
+    if not (positions.is_cpu and torch.is_inference_mode_enabled()):
+        return _cos_sin(positions, rope_inv_freq(head_dim, theta, scaling, positions.device), scaling)
+    key = repr((head_dim, theta, scaling))
+    table = _TABLES.get(key)
+    need = int(positions.max()) + 1 if positions.numel() else 0
+    if table is None or table[0].shape[0] < need:
+        have = 0 if table is None else table[0].shape[0]
+        grown = _cos_sin(torch.arange(have, -(-need // ROPE_TABLE_BLOCK) * ROPE_TABLE_BLOCK),
+                         rope_inv_freq(head_dim, theta, scaling), scaling, ROPE_TABLE_BLOCK)
+        table = _TABLES[key] = grown if table is None else tuple(torch.cat(p) for p in zip(table, grown))
+    return table[0][positions], table[1][positions]
+
+
+def _cos_sin(positions, inv_freq, scaling, block=None):
+    """The contract's rows for positions, computed ``block`` positions at a time (None: at once)."""
+    if block is not None and positions.shape[0] > block:
+        parts = [_cos_sin(p, inv_freq, scaling) for p in positions.split(block)]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
     angles = positions.to(torch.float64).unsqueeze(1) * inv_freq
     cos, sin = torch.cos(angles), torch.sin(angles)
     if scaling and scaling.get("attention_factor", 1.0) != 1.0:
