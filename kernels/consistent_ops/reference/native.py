@@ -268,6 +268,16 @@ def _matmul(a, b, rows, kernel):
     return out
 
 
+def _check_offsets(k, v, token_range, heads, head_stride, d, dim_stride):
+    """Raises IndexError unless every K/V element the attention may read (token offsets in token_range,
+    heads x d at these strides) lies inside k's and v's storage."""
+    lo, hi = token_range
+    reach = hi + (heads - 1) * head_stride + (d - 1) * dim_stride
+    for c in (k, v):
+        if lo < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
+            raise IndexError(f"attend: K/V offsets up to {reach} fall outside the cache tensor")
+
+
 def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk, token_range=None):
     """The contract's attention in one pass (attend64 / attend32 per _kernel), states restarted every
     `chunk` keys (contract.KV_CHUNK, a multiple of KV_BLOCK) and folded: qh [S, H, R, D] query rows;
@@ -279,11 +289,7 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chun
     qh = _unit_last(qh)
     token, qpos, seq_lens = _longs(token, qpos, seq_lens)
     L = token.shape[1]
-    lo, hi = token_range or (int(t) for t in token.aminmax())
-    reach = hi + (H - 1) * head_stride + (D - 1) * dim_stride
-    for c in (k, v):
-        if lo < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
-            raise IndexError(f"attend: K/V offsets up to {reach} fall outside the cache tensor")
+    _check_offsets(k, v, token_range or tuple(int(t) for t in token.aminmax()), H, head_stride, D, dim_stride)
     if k.dtype != v.dtype or k.dtype not in DTYPES:
         raise TypeError(f"attend: K/V dtypes {k.dtype}/{v.dtype}; use one of {list(DTYPES)}")
     out = torch.empty(S, H, R, D, dtype=torch.float32)
@@ -474,19 +480,14 @@ def decode_layer(x, residual, w, cos, sin, key_cache, value_cache, slots, layout
     t, h = x.shape
     d = w.q_norm.shape[0]
     hq, hkv = w.wq.shape[0] // d, w.wk.shape[0] // d
-    lo, hi = layout.token_range
-    reach = hi + (hkv - 1) * key_cache.stride(2) + (d - 1) * key_cache.stride(3)
-    for c in (key_cache, value_cache):
-        if lo < -c.storage_offset() or reach >= c.untyped_storage().nbytes() // c.element_size() - c.storage_offset():
-            raise IndexError(f"attend: K/V offsets up to {reach} fall outside the cache tensor")
+    _check_offsets(key_cache, value_cache, layout.token_range, hkv, key_cache.stride(2), d, key_cache.stride(3))
     moe = w.experts is not None
     inter = w.experts.down.shape[-1] if moe else w.gate.shape[0]
     out, res_out = torch.empty(t, h, dtype=x.dtype), torch.empty(t, h, dtype=x.dtype)
-    ptr = lambda u: 0 if u is None else u.data_ptr()   # noqa: E731
     gate, up, down = ((w.router, w.experts.gate_up, w.experts.down) if moe else (w.gate, w.up, w.down))
     fields = _int64s((
         t, h, d, hq, hkv, inter, w.router.shape[0] if moe else 0, w.top_k, int(w.norm_topk_prob), DTYPES[x.dtype],
-        int(_kernel(x, w.wq) == "32p"), x.data_ptr(), ptr(residual), w.in_norm.data_ptr(), w.wq.data_ptr(),
+        int(_kernel(x, w.wq) == "32p"), x.data_ptr(), 0 if residual is None else residual.data_ptr(), w.in_norm.data_ptr(), w.wq.data_ptr(),
         w.wk.data_ptr(), w.wv.data_ptr(), w.wq.stride(0), w.q_norm.data_ptr(), w.k_norm.data_ptr(), cos.data_ptr(),
         sin.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), *key_cache.stride(), slots.data_ptr(),
         key_cache.shape[0], key_cache.shape[1], layout.token.data_ptr(), layout.token.shape[1],

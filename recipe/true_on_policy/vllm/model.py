@@ -78,7 +78,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
             layer.self_attn.attn.use_direct_call = True
         fuse(self.model)      # plain modules here (no trainer wrappers or adapters)
         # CPU decode steps: each layer one native call (co.decode_layer), the cache and metadata read here
-        self.layer_calls = co.backend_name() == "reference"
+        self.layer_calls = co.backend_name() == "reference" and tp.size == 1
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
@@ -104,8 +104,8 @@ class TrueOnPolicyForCausalLM(CausalLM):
     def _paged(self, layer_idx):
         """What vLLM's Attention layer would pass the backend for this layer's step (Qwen3Model.forward's
         paged): (K, V cache views, slot mapping, block table, seq_lens, query_start_loc), when the step is
-        one attention call over every row (a decode step on CPU: ConsistentAttentionImpl.forward's single
-        group) and nothing else hooks the layer's attention (a KV connector: vLLM's layer then runs);
+        a decode step, one attention call over every row (ConsistentAttentionImpl.forward's single group of
+        one new token per request), and nothing else hooks the layer's attention (a KV connector: vLLM's layer then runs);
         else None. The layer then writes and reads the cache itself, as do_kv_cache_update and forward do."""
         attn = self.model.layers[layer_idx].self_attn.attn
         ctx = get_forward_context()
@@ -113,7 +113,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
         if isinstance(meta, dict):
             meta = meta.get(attn.layer_name)
         if (not isinstance(meta, ConsistentAttentionMetadata) or len(meta.groups) != 1 or meta.groups[0].rows is not None
-                or not isinstance(slots, dict) or not isinstance(attn.kv_cache, torch.Tensor)):
+                or meta.groups[0].max_query_len != 1 or not isinstance(slots, dict) or not isinstance(attn.kv_cache, torch.Tensor)):
             return None
         slots = slots.get(attn.layer_name)
         if slots is None or has_kv_transfer_group():
