@@ -95,7 +95,8 @@ def test_scalar_build_gives_the_same_bits(tmp_path, monkeypatch):
             token = torch.arange(128)[None, :].clamp(max=79) * 32
             out.append(native.attend(q, k, v, token, 0, 1, torch.tensor([list(range(70))]), torch.tensor([80]), 0.17, 64))
         return (native.dot32_matmul(a, w.t()), native.dot32p_matmul(a, w.t()), native.dot32p_matmul(tiny, tiny.t()),
-                native.rms_norm(a, w[0, :333], 1e-6), native.silu_mul(a * 40, w[:9]), *out)
+                native.rms_norm(a, w[0, :333], 1e-6), native.silu_mul(a * 40, w[:9]),
+                native.log_softmax(a.float() * 8, torch.tensor([0.7]), 330), *out)
     fast = run()
     monkeypatch.setattr(native, "CFLAGS", [f for f in native.CFLAGS if f != "-march=native"])
     monkeypatch.setenv("CONSISTENT_OPS_CACHE", str(tmp_path))
@@ -184,6 +185,38 @@ def test_trainer_and_rollout_paths_agree(name, monkeypatch):
     sum(r.float().sum() for r in rec).backward()
 
 
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_native_log_softmax_is_the_trainers_and_differs_from_the_torch_steps(name, monkeypatch):
+    """The contract's CPU log-probs (dot32.c log_softmax32, contract CPU_ACCUMULATION "logprobs"): the
+    trainer's autograd forward == the rollout's, a row alone == in its batch, per-row and shared
+    temperatures, padded columns -inf, a row with a NaN logit NaN (as torch's steps); within 1e-5 of
+    fp64; gradients those of the torch steps. Companion: the torch steps (torch's fp64 exp and sum)
+    differ from it in some last bits."""
+    from consistent_ops.reference import logprobs
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
+    z = _x(64, 1000, seed=30, dtype=torch.float32) * 6
+    t = torch.rand(64, generator=torch.Generator().manual_seed(31)) + 0.5
+    z[5, 17] = float("nan")
+    with torch.no_grad():
+        rollout = co.log_softmax(z, t, 990)
+        shared = co.log_softmax(z, 0.7, 990)
+    leaf = z.clone().requires_grad_()
+    trainer = co.log_softmax(leaf, t, 990)
+    ok = torch.arange(64) != 5                                        # (NaN != NaN: row 5 checked apart)
+    assert torch.equal(trainer.detach()[ok], rollout[ok]) and trainer[5].isnan().all()
+    assert all(torch.equal(co.log_softmax(z[i:i + 1], t[i:i + 1], 990)[0], rollout[i]) for i in (0, 4, 63))
+    assert torch.equal(co.log_softmax(z[3:4], 0.7, 990)[0], shared[3])
+    assert rollout[ok, 990:].eq(float("-inf")).all() and rollout[5].isnan().all() and not rollout[4].isnan().any()
+    ref = torch.log_softmax(z[ok, :990].double() / t[ok, None].double(), -1)
+    assert (rollout[ok, :990].double() - ref).abs().max() < 1e-5
+    (trainer[ok, :990] * torch.linspace(-1, 1, 990)).sum().backward()
+    torch_leaf = z.clone().requires_grad_()
+    (logprobs._log_softmax_torch(torch_leaf, t[:, None], 990)[ok, :990] * torch.linspace(-1, 1, 990)).sum().backward()
+    assert torch.equal(leaf.grad[ok], torch_leaf.grad[ok])
+    steps = logprobs._log_softmax_torch(z, t[:, None], 990)
+    assert not torch.equal(steps[ok], rollout[ok]) and (steps[ok] - rollout[ok]).nan_to_num().abs().max() < 1e-5
+
+
 def test_threads_split_whole_outputs():
     """dot32.c runs large contractions, attention and the MoE experts on OpenMP's threads (torch's
     count): each output computed whole by one thread, so 1, 2 or 3 threads give the same bits."""
@@ -198,7 +231,8 @@ def test_threads_split_whole_outputs():
     def run():
         with torch.inference_mode():
             return [native.dot32_matmul(a32, w32.t()), native.dot32p_matmul(a16, w16.t()),
-                    co.attention_varlen(q, k, v, cu), co.moe_expert_contributions(x, ids, weights, stack)[0]]
+                    co.attention_varlen(q, k, v, cu), co.moe_expert_contributions(x, ids, weights, stack)[0],
+                    co.log_softmax(a32 * 8, weights[:64, 0] + 0.5, 500)]
     old = torch.get_num_threads()
     try:
         outs = []

@@ -256,6 +256,12 @@ CPU_ACCUMULATION = {
             "is NaN), p = exp(l - m) by the attention's exp above, s = fp32(fp64 sum of p, experts in "
             "ascending id), prob = p / s; top-k by descending prob, NaN first, ties to the lower id; "
             "weights renormalised by fp32(fp64 sum of them, slot order) (dot32.c moe_route32)"),
+        "logprobs": (
+            "CPU, trainer and rollout, per row: z = logits / T (fp32 division), columns >= vocab_limit -inf, "
+            "m = max z (NaN if one is NaN), zs = z - m, e = exp(zs) by the attention's exp above, s = fp64 sum "
+            "of e in 8 lanes (lane j: columns j, j+8, ... ascending) reduced ((l0 + l4) + (l2 + l6)) + "
+            "((l1 + l5) + (l3 + l7)), lse = fp32(log(s)) (libm log in fp64), logp = zs - lse "
+            "(dot32.c log_softmax32)"),
     },
     "bf16": {
         "cpu_accumulation": "bf16",
@@ -275,6 +281,7 @@ CPU_ACCUMULATION = {
             "bf16 pair lanes above; p.v (p fp32) and the row sums of p in the fp32 lanes"),
         "silu_mul": "as the fp32 realisation",
         "moe_router": "as the fp32 realisation",
+        "logprobs": "as the fp32 realisation",
     },
 }
 

@@ -1511,3 +1511,42 @@ int decode_layer32(const struct decode_layer *a, float eps_in, float eps_qk, flo
     return moe_experts32(T, k, H, a->I, dt, h2, H, ids, w, 0, a->E, a->wu, a->sgu, a->wd, a->sdn, pairs, contrib, owned,
                          a->out);
 }
+
+/* reference/logprobs.py log_softmax on CPU in the fp32/bf16 realisations (contract CPU_ACCUMULATION
+ * "logprobs"), per row r of logits [R, V] fp32 (row stride sl), each row alone: z = l / t[r * ts] (IEEE
+ * fp32 division; ts = 0: one temperature for every row), columns >= limit -inf; m = max z (NaN if one is,
+ * as torch.amax); zs = z - m (fp32); e = exp32(zs) by exp32_rows (the attention's polynomial, rounded to
+ * fp32); s = the fp64 sum of e in 8 lanes (lane j: columns j, j + 8, ... ascending, from +0) reduced as
+ * ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)); lse = fp32(log(s)) (libm log, fp64); out = zs - lse
+ * (fp32). Rows split over the threads. Returns 0, or -1 when out of memory. */
+int log_softmax32(int64_t R, int64_t V, const float *logits, int64_t sl, const float *t, int64_t ts, int64_t limit,
+                  float *out) {
+    const int nt = threads_for((double)R * V * 16);
+    int fail = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : fail)
+    {
+        float *e = scratch_bytes((size_t)(V > 0 ? V : 1) * sizeof(float));
+        int64_t lo, hi;
+        share(R, 1, &lo, &hi);
+        fail = !e;
+        if (!e) hi = lo;
+        for (int64_t r = lo; r < hi; r++) {
+            const float *l = logits + r * sl, temp = t[r * ts];
+            float *o = out + r * V, m = -INFINITY;
+            int nan = 0;
+            for (int64_t i = 0; i < V; i++) {
+                o[i] = i < limit ? l[i] / temp : -INFINITY;
+                nan |= o[i] != o[i];
+                m = o[i] > m ? o[i] : m;
+            }
+            if (nan) m = NAN;
+            for (int64_t i = 0; i < V; i++) o[i] = o[i] - m;
+            exp32_rows(o, e, V);
+            double lane[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+            for (int64_t i = 0; i < V; i++) lane[i % 8] += (double)e[i];
+            const float lse = (float)log(((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7])));
+            for (int64_t i = 0; i < V; i++) o[i] = o[i] - lse;
+        }
+    }
+    return fail ? -1 : 0;
+}

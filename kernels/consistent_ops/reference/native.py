@@ -120,6 +120,7 @@ def library():
             lib.mlp32.restype = ctypes.c_int
             f32 = ctypes.c_float
             lib.decode_layer32.argtypes, lib.decode_layer32.restype = [p, f32, f32, f32, f32], ctypes.c_int
+            lib.log_softmax32.argtypes, lib.log_softmax32.restype = [i64, i64, p, i64, p, i64, i64, p], ctypes.c_int
             lib.dot32_isa.argtypes, lib.dot32_isa.restype = [], ctypes.c_int
             lib.dot32_tile_engine.argtypes, lib.dot32_tile_engine.restype = [], ctypes.c_int
             lib.dot32_tiles_variant.argtypes, lib.dot32_tiles_variant.restype = [ctypes.c_int], ctypes.c_int
@@ -342,6 +343,20 @@ def silu_mul(gate, up):
     if out.numel() and library().silu_mul32(g.shape[0], c, DTYPES[gate.dtype], g.data_ptr(), g.stride(0),
                                             u.data_ptr(), u.stride(0), out.data_ptr()):
         raise MemoryError("consistent_ops silu_mul: out of memory for its row buffer")
+    return out
+
+
+def log_softmax(logits, temperature, vocab_limit):
+    """reference/logprobs.py log_softmax in the fp32/bf16 realisations (dot32.c log_softmax32): fp32 [rows, V]
+    of fp32 logits [rows, V] (any row stride), temperature an fp32 tensor of one value or one per row,
+    columns >= vocab_limit -inf. No autograd."""
+    logits = _unit_last(logits)
+    rows, v = logits.shape
+    t = temperature.contiguous()
+    out = torch.empty(rows, v, dtype=torch.float32)
+    if out.numel() and library().log_softmax32(rows, v, logits.data_ptr(), logits.stride(0), t.data_ptr(),
+                                               int(t.numel() > 1), vocab_limit, out.data_ptr()):
+        raise MemoryError("consistent_ops log_softmax: out of memory for its row buffers")
     return out
 
 
