@@ -12,7 +12,7 @@ import torch
 
 from ..contract import KV_BLOCK, KV_CHUNK, attention_scale
 from . import native
-from .core import exp32, matmul32, recording, sum32
+from .core import exp32, matmul32, recording, steps_backward, sum32
 
 NEG_INF = float("-inf")
 
@@ -68,12 +68,8 @@ class _NativeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k, v, qpos = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad)]
-            out = _attend_torch(inputs[0], qpos, _DenseKV(inputs[1], inputs[2]), ctx.scale)
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return tuple(next(grads) if t.requires_grad else None for t in inputs) + (None, None)
+        return steps_backward(lambda q, k, v: _attend_torch(q, qpos, _DenseKV(k, v), ctx.scale), (q, k, v),
+                              ctx.needs_input_grad[:3], grad) + (None, None)
 
 
 def _rows(q, hkv):

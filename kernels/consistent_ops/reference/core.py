@@ -23,6 +23,16 @@ def recording(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def steps_backward(steps, tensors, needs, grad):
+    """The backward of a native forward: gradients of steps(*tensors) (the torch steps it realises) for
+    the tensors autograd asks for (needs: ctx.needs_input_grad's entries for them), None for the others."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(tensors, needs)]
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(steps(*leaves), wanted, grad))
+    return tuple(next(grads) if t.requires_grad else None for t in leaves)
+
+
 def to64(x: torch.Tensor) -> torch.Tensor:
     """Exact widening to fp64."""
     return x.double()

@@ -8,7 +8,7 @@ in the fp64 realisation) the torch steps below."""
 import torch
 
 from . import native
-from .core import recording
+from .core import recording, steps_backward
 
 NEG_INF = float("-inf")
 
@@ -59,12 +59,8 @@ class _NativeLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         logits, t = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [x.detach().requires_grad_(need) for x, need in zip((logits, t), ctx.needs_input_grad)]
-            out = _log_softmax_torch(leaves[0], leaves[1], ctx.limit)
-            wanted = [x for x in leaves if x.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return tuple(next(grads) if x.requires_grad else None for x in leaves) + (None,)
+        return steps_backward(lambda z, t: _log_softmax_torch(z, t, ctx.limit), (logits, t), ctx.needs_input_grad[:2],
+                              grad) + (None,)
 
 
 def token_logprobs(logits, token_ids, temperature=1.0, vocab_limit=None):
