@@ -292,3 +292,26 @@ def test_attention_rows_together_equal_rows_alone(name, dtype, monkeypatch):
     alone = torch.cat([attend([r]) for r in range(len(pos))], 2)
     for n in range(1, len(pos) + 1):
         assert torch.equal(attend(list(range(n))), alone[:, :, :n])
+
+
+@pytest.mark.parametrize("name", ["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_heads_in_place_equal_the_permuted_rows(name, dtype, monkeypatch):
+    """native.attend_heads reads q [S, T, Hq, D] where it lies (here: a strided view into a fused qkv
+    buffer) and writes [S, T, Hq, D] in q's dtype: bitwise the rows native.attend returns for q's rows
+    permuted to [S, Hkv, G * T, D], permuted back and cast (.to), for prefill (T = 70) and decode (T = 1)
+    rows. Companion: another scale changes the rows (the comparison reads real results)."""
+    from consistent_ops.reference import attention as ref
+    monkeypatch.setenv(contract.CPU_ACCUMULATION_ENV, name)
+    L, hkv, hq, D = 192, 2, 4, 64                                  # keys: whole blocks of 64 (attend's walk)
+    k, v = _x(L, hkv, D, seed=41, dtype=dtype), _x(L, hkv, D, seed=42, dtype=dtype)
+    token = (torch.arange(L) * hkv * D)[None].expand(2, -1)
+    for t, pos0 in ((70, 10), (1, 149)):
+        qkv = _x(2, t, hq + 2 * hkv, D, seed=43, dtype=dtype)
+        q = qkv[:, :, :hq]                                         # not contiguous
+        qpos = (pos0 + torch.arange(t))[None].expand(2, -1).repeat(1, hq // hkv)
+        args = (k, v, token, D, 1, qpos, torch.tensor([150, 150]))
+        heads = native.attend_heads(q, hkv, *args, 0.125, 128)
+        rows = ref._unrows(native.attend(ref._rows(q, hkv), *args, 0.125, 128), q)
+        assert heads.dtype == dtype and heads.shape == q.shape and torch.equal(heads, rows)
+        assert not torch.equal(native.attend_heads(q, hkv, *args, 0.25, 128), heads)

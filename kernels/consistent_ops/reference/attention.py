@@ -97,12 +97,12 @@ def _attend(q, qpos, kv, scale):
 
 
 def _attend_native(q, qpos, kv, scale):
+    """native.attend_heads: _rows' rows read where q holds them, the result written as _unrows makes it."""
     k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
     layout = getattr(kv, "layout", None)        # a paged step's: its rows' positions and offset range, made once
     rows_qpos = layout.rows_qpos if layout is not None else qpos.repeat(1, q.shape[2] // kv.hkv)
-    out = native.attend(_rows(q, kv.hkv), k, v, token, head_stride, dim_stride, rows_qpos, seq_lens, scale,
-                        KV_CHUNK, None if layout is None else layout.token_range)
-    return _unrows(out, q)
+    return native.attend_heads(q, kv.hkv, k, v, token, head_stride, dim_stride, rows_qpos, seq_lens, scale,
+                               KV_CHUNK, None if layout is None else layout.token_range)
 
 
 def _attend_torch(q, qpos, kv, scale):
@@ -241,14 +241,12 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
 
 
 def _decode(q, kv, scale):
-    """_attend_native for one new token per sequence, q [S, Hq, D] (CPU inference): q read as
-    native.attend's [S, Hkv, G, D] query rows and its output as [S, Hq, D], views (what _pad_rows,
-    _rows, _unrows and _unpad_rows make of them in 8 reshapes and permutes)."""
+    """_attend_native for one new token per sequence, q [S, Hq, D] (CPU inference) as [S, 1, Hq, D]:
+    without _pad_rows' and _unpad_rows' reshapes."""
     k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
-    S, hq, d = q.shape
-    out = native.attend(q.reshape(S, kv.hkv, hq // kv.hkv, d), k, v, token, head_stride, dim_stride,
-                        kv.layout.rows_qpos, seq_lens, scale, KV_CHUNK, kv.layout.token_range)
-    return out.view(S, hq, d).to(q.dtype)
+    out = native.attend_heads(q[:, None], kv.hkv, k, v, token, head_stride, dim_stride, kv.layout.rows_qpos,
+                              seq_lens, scale, KV_CHUNK, kv.layout.token_range)
+    return out[:, 0]
 
 
 class _PagedLayout:

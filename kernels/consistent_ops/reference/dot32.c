@@ -880,8 +880,8 @@ static inline int64_t group_keys(const int64_t *qp, int64_t rn, int64_t b0, int6
  * block it sees no key of (a = exp(0) = 1, p = 0: l and o would be kept exactly). */
 static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
                         int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
-                        float scale, float *out, int pairs) {
-    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
+                        float scale, char *out, int tout, const int64_t *os, int pairs) {
+    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5], T = dims[7];
     const int64_t per_chunk = dims[6] / KVB;                     /* KV blocks a chunk */
     const int64_t dp = (D + LANES - 1) / LANES * LANES, kvp = (KVB + LANES - 1) / LANES * LANES;
     const int64_t npad = (KVB + 2) / 3 * 3, eq = ELEM[tq], ekv = ELEM[tkv];
@@ -891,7 +891,7 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     const int k_direct = pairs && kvs[1] == 1 && dq == D;       /* K rows read in place from the cache */
     const int v_direct = kvs[1] == 1 && dp == D;                /* V rows too (whole 16-element loads) */
     const int v_bf16 = v_direct && tkv == BF16;                 /* ... widened in registers */
-    const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 5 * R + R * D + dp + 64)
+    const size_t need = (size_t)(R * dp + npad * dp + kvp * dp + R * kvp + R * kvp + R * dp + 5 * R + 2 * R * D + dp + 64)
                         + (size_t)(nq + kvp + 2 * R) * 2 + (pairs ? (size_t)((R + nq) * dq / 2 + 16) : 0);
     const int nt = threads_for((double)S * H * R * L * D);
     int fail = 0;
@@ -905,7 +905,8 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
     float *qb = buf, *kb = qb + R * dp, *vb = kb + npad * dp, *pb = vb + kvp * dp, *sbuf = pb + R * kvp;
     float *pv = sbuf + R * kvp, *mrow = pv + R * dp, *lrow = mrow + R;
     float *fm = lrow + R, *fl = fm + R, *ca = fl + R;   /* the fold of chunks before; a later chunk's acc */
-    float *arow = ca + R * D, *zrow = arow + R;         /* each active row's rescale a; a V row of zeros */
+    float *o = ca + R * D;                              /* chunk 0's acc, then the fold, then the result */
+    float *arow = o + R * D, *zrow = arow + R;          /* each active row's rescale a; a V row of zeros */
     if (buf) memset(kb, 0, (size_t)(npad * dp + kvp * dp + R * kvp) * sizeof(float));   /* pads stay 0 */
     if (buf) memset(zrow, 0, (size_t)dp * sizeof(float));
     const uint16_t **krow = (const uint16_t **)(((uintptr_t)(zrow + dp) + 63) & ~(uintptr_t)63);
@@ -918,9 +919,8 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
         const int64_t *ts = tok + s * L;
         const int64_t *qp = qpos + s * R;
         const int64_t slen = seq_len[s];
-        float *o = out + (s * H + h) * R * D;
         for (int64_t r = 0; r < R; r++) {
-            const char *qr = Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq;
+            const char *qr = Q + attn_row(qs, s, h, r, T) * eq;
             if (pairs) copy_bf16((const uint16_t *)qr, D, 1, dq, qb16 + r * dq);
             else {
                 widen32(qr, tq, D, 1, qb + r * dp);
@@ -1009,6 +1009,7 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             }
         }
         chunk_finish(j, per_chunk, R, D, exp32_one, fm, fl, o, mrow, lrow, ca);
+        store_attn_rows(o, R, D, T, tout, out, os, s, h);
     }
     }
     return fail ? -1 : 0;
@@ -1016,15 +1017,15 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
 
 int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
              int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
-             float scale, float *out) {
-    return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, 0);
+             float scale, char *out, int tout, const int64_t *os) {
+    return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, tout, os, 0);
 }
 
 /* attend32 in the "bf16" realisation: q.k of BF16 operands in the pair order; p.v (p fp32) as attend32. */
 int attend32p(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
               int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
-              float scale, float *out) {
-    return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, 1);
+              float scale, char *out, int tout, const int64_t *os) {
+    return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, tout, os, 1);
 }
 
 /* SiLU*mul of R rows of C (dt = F32 or BF16; gate, up and out rows at strides sg, su, C elements
@@ -1482,7 +1483,7 @@ int mlp32(int64_t T, int64_t H, int64_t I, int dt, const char *x, int64_t sx, co
  * (CPU inference, fp32/bf16 realisations: the rollout's decode steps), in one call instead of a Python
  * call per op: x (+ res) -> RMSNorm (rms_norm_rows32; no res: the residual is x), the attention prologue
  * (attn_prologue32), the K/V write (write_kv), the attention of token s as sequence s (attend_lanes over
- * tok/qpos/seq_len, as native.attend; its fp32 output rounded to dt, as attention_paged returns it),
+ * tok/qpos/seq_len, as native.attend; its rows rounded to dt, as attention_paged returns them),
  * o_proj + residual add + RMSNorm (linear_add_norm32), then the dense MLP (mlp32: wg, wu, wd) or, when
  * E > 0, the MoE block (moe_router32 with router wg, moe_experts32 over the stacks gu/dn, combined): the
  * calls the ops make one by one, so the same bits. Every field 8 bytes (native.py packs them in this
@@ -1512,11 +1513,11 @@ int decode_layer32(const struct decode_layer *a, float eps_in, float eps_qk, flo
     const int64_t T = a->T, H = a->H, D = a->D, e = ELEM[a->dt], hd = a->hq * D, kd = a->hkv * D, k = a->top_k;
     const int dt = (int)a->dt, pairs = (int)a->pairs;
     const size_t acts = (size_t)(T * (2 * H + hd + 2 * kd + hd + H) * e), moe = a->E ? (size_t)(T * k * (8 + 4 + 4 * H + 1)) : 0;
-    char *h = scratch_slot(3, acts + (size_t)(T * hd * 4) + moe + 64);
+    char *h = scratch_slot(3, acts + moe + 64);
     if (!h) return -1;
     char *res1 = h + T * H * e, *q = res1 + T * H * e, *kk = q + T * hd * e, *v = kk + T * kd * e, *heads = v + T * kd * e;
     char *h2 = heads + T * hd * e;
-    float *att = (float *)(((uintptr_t)(h2 + T * H * e) + 63) & ~(uintptr_t)63);
+    int64_t *ids = (int64_t *)(((uintptr_t)(h2 + T * H * e) + 63) & ~(uintptr_t)63);   /* MoE: routing, contributions */
     if (a->res) rms_norm_rows32(T, H, dt, a->x, H, a->res, H, a->in_norm, eps_in, h, res1);
     else rms_norm_rows32(T, H, dt, a->x, H, NULL, 0, a->in_norm, eps_in, h, NULL);
     const char *res = a->res ? res1 : a->x;
@@ -1526,14 +1527,13 @@ int decode_layer32(const struct decode_layer *a, float eps_in, float eps_qk, flo
     const int64_t ks[3] = {kd, D, 1};
     if (write_kv(T, a->hkv, D, e, kk, ks, v, ks, a->kc, a->vc, a->cs, a->slots, a->pages, a->ps)) return -2;
     const int64_t G = a->hq / a->hkv;
-    const int64_t dims[7] = {T, a->hkv, G, D, a->L, a->kv_block, a->chunk}, qs[3] = {hd, G * D, D}, kvs[2] = {a->cs[2], a->cs[3]};
-    rc = attend_lanes(dims, q, dt, qs, a->kc, a->vc, dt, a->tok, kvs, a->qpos, a->seq_len, scale, att, pairs);
+    const int64_t dims[8] = {T, a->hkv, G, D, a->L, a->kv_block, a->chunk, 1}, qs[4] = {hd, G * D, D, 0};
+    const int64_t kvs[2] = {a->cs[2], a->cs[3]};
+    rc = attend_lanes(dims, q, dt, qs, a->kc, a->vc, dt, a->tok, kvs, a->qpos, a->seq_len, scale, heads, dt, qs, pairs);
     if (rc) return rc;
-    round_rows(att, dt, T * hd, heads);
     rc = linear_add_norm32(T, hd, H, dt, heads, hd, a->wo, hd, res, H, a->post_norm, eps_post, pairs, h2, a->res_out);
     if (rc) return rc;
     if (!a->E) return mlp32(T, H, a->I, dt, h2, H, a->wg, a->wu, a->wd, pairs, a->out);
-    int64_t *ids = (int64_t *)(att + T * hd);
     float *w = (float *)(ids + T * k), *contrib = w + T * k;
     uint8_t *owned = (uint8_t *)(contrib + T * k * H);
     rc = moe_router32(T, a->E, H, dt, h2, H, a->wg, H, pairs, k, (int)a->moe_norm, ids, w);

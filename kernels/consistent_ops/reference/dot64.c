@@ -215,32 +215,33 @@ static float exp64f(float x) { return (float)exp((double)x); }
  * Contractions use block_rows / block_cols (the lane order of dot64); fp32 steps are
  * separate IEEE operations. Reading K and V of a block together keeps the one pass over
  * the cache (a paged KV cache is read in place: no gather).
- * dims = {S, H, R, D, L, KVB, CH}: R query rows per (s, h), keys 0 .. L-1 (L a multiple of KVB);
+ * dims = {S, H, R, D, L, KVB, CH, T}: R query rows per (s, h), keys 0 .. L-1 (L a multiple of KVB);
  * KVB = contract.KV_BLOCK, CH = contract.KV_CHUNK (a multiple of KVB), passed by native.py so the
  * contract's constants are the only ones.
- * Q element (s, h, r, d) at Q + s*qs[0] + h*qs[1] + r*qs[2] + d; K/V element (s, h, pos, d)
+ * Q element (s, h, r, d) at Q + attn_row(qs, s, h, r, T) + d; K/V element (s, h, pos, d)
  * at base + tok[s*L + pos] + h*kvs[0] + d*kvs[1]; qpos [S*R] (row r of s: its position,
- * < seq_len[s]); V at pos >= seq_len[s] reads as 0. out [S, H, R, D] fp32. 0 or -1 (memory). */
+ * < seq_len[s]); V at pos >= seq_len[s] reads as 0. Row r's result to out + attn_row(os, ...) in tout
+ * (store_attn_rows). 0 or -1 (memory). */
 int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
              int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
-             float scale, float *out) {
-    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5];
+             float scale, char *out, int tout, const int64_t *os) {
+    const int64_t S = dims[0], H = dims[1], R = dims[2], D = dims[3], L = dims[4], KVB = dims[5], T = dims[7];
     const int64_t per_chunk = dims[6] / KVB;
     const int64_t dp = (D + 3) & ~(int64_t)3, eq = ELEM[tq], ekv = ELEM[tkv];
-    const size_t need = (size_t)(R * dp + KVB * dp + KVB * dp + R * KVB + 4) * 2 + (size_t)(R * (dp + D + 4)) + 8;
+    const size_t need = (size_t)(R * dp + KVB * dp + KVB * dp + R * KVB + 4) * 2 + (size_t)(R * (dp + 2 * D + 4)) + 8;
     double *buf = scratch_bytes(need * sizeof(double));
     if (!buf) return -1;
     double *qb = buf, *kb = qb + R * dp, *vb = kb + KVB * dp, *pb = vb + KVB * dp;
     float *sb = (float *)(pb + R * KVB), *pv = sb + R * KVB, *mrow = pv + R * dp, *lrow = mrow + R;
     float *fm = lrow + R, *fl = fm + R, *ca = fl + R;   /* the fold of chunks before; a later chunk's acc */
+    float *o = ca + R * D;                               /* chunk 0's acc, then the fold, then the result */
     for (int64_t s = 0; s < S; s++)
     for (int64_t h = 0; h < H; h++) {
         const int64_t *ts = tok + s * L;
         const int64_t slen = seq_len[s];
         const int64_t *qp = qpos + s * R;
-        float *o = out + (s * H + h) * R * D;
         for (int64_t r = 0; r < R; r++) {
-            widen(Q + (s * qs[0] + h * qs[1] + r * qs[2]) * eq, tq, D, 1, qb + r * dp);
+            widen(Q + attn_row(qs, s, h, r, T) * eq, tq, D, 1, qb + r * dp);
             for (int64_t d = D; d < dp; d++) qb[r * dp + d] = 0.0;
             mrow[r] = -INFINITY;
             lrow[r] = 0.0f;
@@ -291,6 +292,7 @@ int attend64(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
             }
         }
         chunk_finish(j, per_chunk, R, D, exp64f, fm, fl, o, mrow, lrow, ca);
+        store_attn_rows(o, R, D, T, tout, out, os, s, h);
     }
     return 0;
 }

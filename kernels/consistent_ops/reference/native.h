@@ -94,6 +94,26 @@ static inline void fold_chunk(int64_t R, int64_t D, float (*expf32)(float), floa
     }
 }
 
+/* An attention walk's query and output rows (attend64, attend_lanes): row r of (s, h) is (g, t) =
+ * (r / T, r % T), at s * st[0] + h * st[1] + g * st[2] + t * st[3] elements (dims[7] = T). T = 1: rows
+ * at st[2], as [S, H, R, D]; T = tokens: the G query heads of KV head h and T tokens read and written in
+ * place in a [S, T, Hq, D] layout (no permuted copies). */
+static inline int64_t attn_row(const int64_t *st, int64_t s, int64_t h, int64_t r, int64_t T) {
+    return s * st[0] + h * st[1] + r / T * st[2] + r % T * st[3];
+}
+
+/* The walk's result o [R, D] (fp32) into (s, h)'s rows of out (strides os, attn_row) in dt: F32 as is,
+ * F64 widened, BF16 rounded as torch rounds (the .to() each replaces). */
+static void store_attn_rows(const float *o, int64_t R, int64_t D, int64_t T, int dt, char *out, const int64_t *os,
+                            int64_t s, int64_t h) {
+    for (int64_t r = 0; r < R; r++) {
+        char *dst = out + attn_row(os, s, h, r, T) * ELEM[dt];
+        if (dt == F32) memcpy(dst, o + r * D, (size_t)D * sizeof(float));
+        else if (dt == F64) for (int64_t d = 0; d < D; d++) ((double *)dst)[d] = o[r * D + d];
+        else for (int64_t d = 0; d < D; d++) ((uint16_t *)dst)[d] = float_to_bf16(o[r * D + d]);
+    }
+}
+
 /* The KV-chunk bookkeeping of an attention walk (attend64, attend_lanes) at KV block j: where a
  * chunk ends, chunk 0's state becomes the fold (its acc stays in o) or a later chunk's state is
  * folded into it, and the next chunk starts fresh. Returns the acc block j accumulates into. */

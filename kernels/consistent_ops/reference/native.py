@@ -93,7 +93,8 @@ def library():
                                       ("dot32p", "attend32p", "rms_norm_rows32")):
                 getattr(lib, dot).argtypes = [p, p, ctypes.c_int, p, p, ctypes.c_int, p, p, p]
                 getattr(lib, dot).restype = ctypes.c_int
-                getattr(lib, attend).argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p, ctypes.c_float, p]
+                getattr(lib, attend).argtypes = [p, p, ctypes.c_int, p, p, p, ctypes.c_int, p, p, p, p, ctypes.c_float, p,
+                                                 ctypes.c_int, p]
                 getattr(lib, attend).restype = ctypes.c_int
                 getattr(lib, norm).argtypes = [i64, i64, ctypes.c_int, p, i64, p, i64, p, ctypes.c_float, p, p]
                 getattr(lib, norm).restype = None
@@ -288,20 +289,42 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chun
     Returns acc / l, fp32 [S, H, R, D]. No autograd."""
     S, H, R, D = qh.shape
     qh = _unit_last(qh)
+    out = torch.empty(S, H, R, D, dtype=torch.float32)
+    _attend(qh, (S, H, R, D, 1), (*qh.stride()[:3], 0), k, v, token, head_stride, dim_stride, qpos, seq_lens, scale,
+            chunk, token_range, out, (H * R * D, R * D, D, 0))
+    return out
+
+
+def attend_heads(q, hkv, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk, token_range=None):
+    """attend's walk for q [S, T, Hq, D] as it lies (any strides, D contiguous): KV head h's rows are its
+    G = Hq / hkv query heads x T tokens, row r = (g, t) = (r / T, r % T) (qpos [S, G * T] in that order),
+    read in place; returns [S, T, Hq, D] in q's dtype, each row the rounding of attend's fp32 row, as
+    .to() rounds it, so the bits of attend's rows permuted and cast, without those copies."""
+    S, T, hq, D = q.shape
+    q = _unit_last(q)
+    g = hq // hkv
+    out = torch.empty(S, T, hq, D, dtype=q.dtype)
+    _attend(q, (S, hkv, g * T, D, T), (q.stride(0), g * q.stride(2), q.stride(2), q.stride(1)), k, v, token, head_stride,
+            dim_stride, qpos, seq_lens, scale, chunk, token_range, out, (T * hq * D, g * D, D, hq * D))
+    return out
+
+
+def _attend(q, dims, qs, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk, token_range, out, os):
+    """One attend64 / attend32 call: dims (S, H, R, D, T), q's and out's row strides (attn_row in native.h)."""
+    S, H, R, D, T = dims
     token, qpos, seq_lens = _longs(token, qpos, seq_lens)
     L = token.shape[1]
     _check_offsets(k, v, token_range or tuple(int(t) for t in token.aminmax()), H, head_stride, D, dim_stride)
     if k.dtype != v.dtype or k.dtype not in DTYPES:
         raise TypeError(f"attend: K/V dtypes {k.dtype}/{v.dtype}; use one of {list(DTYPES)}")
-    out = torch.empty(S, H, R, D, dtype=torch.float32)
     if out.numel():
-        rc = getattr(library(), "attend" + _kernel(qh, k))(_int64s([S, H, R, D, L, KV_BLOCK, chunk]), qh.data_ptr(), DTYPES[qh.dtype],
-                                _int64s(list(qh.stride()[:3])), k.data_ptr(), v.data_ptr(), DTYPES[k.dtype],
-                                token.data_ptr(), _int64s([head_stride, dim_stride]), qpos.data_ptr(),
-                                seq_lens.data_ptr(), scale, out.data_ptr())
+        rc = getattr(library(), "attend" + _kernel(q, k))(_int64s([S, H, R, D, L, KV_BLOCK, chunk, T]), q.data_ptr(),
+                                                       DTYPES[q.dtype], _int64s(qs), k.data_ptr(), v.data_ptr(),
+                                                       DTYPES[k.dtype], token.data_ptr(), _int64s([head_stride, dim_stride]),
+                                                       qpos.data_ptr(), seq_lens.data_ptr(), scale, out.data_ptr(),
+                                                       DTYPES[out.dtype], _int64s(os))
         if rc:
             raise MemoryError("consistent_ops attend: out of memory for its buffers")
-    return out
 
 
 ACTIVATIONS = (torch.bfloat16, torch.float32)
