@@ -852,13 +852,10 @@ static void pv_rows(const float *p, int64_t ldp, const int64_t *rows, int64_t n,
     }
 }
 
-/* Asks for the K and V rows (bytes each) of n keys, at (t[i] + hk) * e, as prefetcht1 (L2): a whole block
- * asked at once with prefetcht0 stalled on L1's miss buffers and was slower (Zen 4). Hints only. */
-static void prefetch_kv(const char *K, const char *V, const int64_t *t, int64_t n, int64_t hk, int64_t e, int64_t bytes) {
-    for (int64_t i = 0; i < n; i++) {
-        prefetch_l2(K + (t[i] + hk) * e, bytes);
-        prefetch_l2(V + (t[i] + hk) * e, bytes);
-    }
+/* Asks for the K (or V) rows X (bytes each) of n keys, at (t[i] + hk) * e, as prefetcht1 (L2): a whole
+ * block asked at once with prefetcht0 stalled on L1's miss buffers and was slower (Zen 4). Hints only. */
+static void prefetch_rows(const char *X, const int64_t *t, int64_t n, int64_t hk, int64_t e, int64_t bytes) {
+    for (int64_t i = 0; i < n; i++) prefetch_l2(X + (t[i] + hk) * e, bytes);
 }
 
 /* Query rows scored together: block_pairs' register block. Causal prefill rows see a triangle of
@@ -955,13 +952,15 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
             if (!v_place)
                 for (int64_t n = 0; n < vis; n++) { widen32(vrow[n], tkv, D, kvs[1], vb + n * dp); vrow[n] = vb + n * dp; }   /* d pads stay 0 */
             for (int64_t n = vis; n < nv16; n++) vrow[n] = zrow;          /* V past the sequence reads as 0; pads */
-            {   /* the walk's next block (this (s, h)'s next, else the next (s, h)'s first) asked for now, to arrive
-                 * while this one is computed: the cache's rows are rarely in L2 between steps */
-                int64_t s1 = s, h1 = h, p1 = (j + 1) * KVB, n1 = last - p1 + 1;
-                if (p1 > last || p1 >= L) s1 = (sh + 1) / H, h1 = (sh + 1) % H, p1 = 0, n1 = sh + 1 < hi ? KVB : 0;
-                n1 = n1 < KVB ? n1 : KVB;
-                prefetch_kv(K, V, tok + s1 * L + p1, n1 < L - p1 ? n1 : L - p1, h1 * kvs[0], ekv, D * ekv);
-            }
+            /* The walk's next block (this (s, h)'s next, else the next (s, h)'s first) asked for now, to arrive
+             * while this one is computed (the cache's rows are rarely in L2 between steps): its K rows before
+             * this block's scores, its V rows after them. Both at once filled the miss queues and stalled:
+             * a cold decode step's attention 1.4x slower (Zen 4, 1 thread). */
+            int64_t s1 = s, h1 = h, p1 = (j + 1) * KVB, n1 = last - p1 + 1;
+            if (p1 > last || p1 >= L) s1 = (sh + 1) / H, h1 = (sh + 1) % H, p1 = 0, n1 = sh + 1 < hi ? KVB : 0;
+            n1 = n1 < KVB ? n1 : KVB;
+            const int64_t *next = tok + s1 * L + p1, n_next = n1 < L - p1 ? n1 : L - p1;
+            prefetch_rows(K, next, n_next, h1 * kvs[0], ekv, D * ekv);
             if (pairs)
                 for (int64_t n = nvis; n < (nvis + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; n++) krow[n] = krow[0];
             for (int64_t r0 = 0; r0 < R; r0 += SCORE_ROWS) {   /* sbuf[r][n] = contract_dot(q, k) */
@@ -969,6 +968,7 @@ static int attend_lanes(const int64_t *dims, const char *Q, int tq, const int64_
                 if (cols && pairs) block_pairs(qb16 + r0 * dq, dq, rn, krow, cols, dq, sbuf + r0 * kvp, kvp);
                 else if (cols) block32(qb + r0 * dp, rn, kb, cols, dp, sbuf + r0 * kvp, kvp);
             }
+            prefetch_rows(V, next, n_next, h1 * kvs[0], ekv, D * ekv);
             /* The rows' softmax steps in passes over all active rows, not row by row: a pass's vector loads
              * then find the last pass's narrower stores retired, not stalled waiting to forward them. */
             for (int64_t k = 0; k < na; k++) {
