@@ -33,7 +33,7 @@ class _DenseKV:
         return matmul32(p, self.v[:, :J * KV_BLOCK].transpose(1, 2).reshape(S, hkv, J, KV_BLOCK, -1))
 
     def addresses(self):
-        """(K, V, token offsets [S, L], head stride, dim stride, seq_lens) for native.attend."""
+        """(K, V, token offsets [S, L], head stride, dim stride, seq_lens) for native.attend_heads."""
         k, v = self.k, self.v
         if k.stride() != v.stride():
             k, v = k.contiguous(), v.contiguous()
@@ -56,7 +56,7 @@ class _PagedKV:
 
 
 class _NativeAttention(torch.autograd.Function):
-    """Forward: native.attend (the contract loop in one pass, as in inference); backward:
+    """Forward: native.attend_heads (the contract loop in one pass, as in inference); backward:
     autograd through _attend_torch, the same rules written in torch ops."""
 
     @staticmethod
@@ -87,7 +87,7 @@ def _unrows(out, q):
 def _attend(q, qpos, kv, scale):
     """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions (< seq_len); kv a _DenseKV or
     _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype.
-    On CPU every forward (trainer and rollout, with or without autograd) is native.attend;
+    On CPU every forward (trainer and rollout, with or without autograd) is native.attend_heads;
     elsewhere the torch ops of _attend_torch."""
     if not q.is_cpu or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
         return _attend_torch(q, qpos, kv, scale)
@@ -274,7 +274,7 @@ class _PagedLayout:
             n_new = torch.tensor(self.lens, device=device)
             qpos = seq_lens[:, None] - n_new[:, None] + torch.arange(width, device=device)[None, :]
             qpos = torch.minimum(qpos, seq_lens[:, None] - 1)
-        # [S, G * width], contiguous (native.attend would copy it every layer): qpos.repeat(1, G) in half its time
+        # [S, G * width], contiguous (native.attend_heads would copy it every layer): qpos.repeat(1, G) in half its time
         grouped = qpos.unsqueeze(1).expand(-1, rows[1] // key_cache.shape[2], -1)
         self.qpos, self.rows_qpos = qpos, grouped.contiguous().flatten(1)
         self.table = block_table.to(device=device, dtype=torch.long)
