@@ -715,50 +715,20 @@ static void exp32_rows(const float *x, float *out, int64_t n) {
     for (; i < n; i++) out[i] = exp32_one(x[i]);
 }
 
-/* native.h norm_rows_dt with var from contract_dot(r, r) in this file's lanes (fma16 from +0, finish16's
- * tree), 16 rows at a time: their lane sums meet in finish16x16 (finish16's tree, each) and their divisions
- * and square roots are independent, so a row no longer waits for the last one's serial tree, division, root
- * and division (the q/k norms' many rows of 64). The same IEEE steps per row, so the same bits. On the
- * calling thread (the fused calls' chunks). */
-static inline __attribute__((always_inline)) void norm_rows32_dt(int64_t T, int64_t H, const int dt, const char *x,
-                                                                 int64_t sx, const char *res, int64_t sres, const char *w,
-                                                                 float eps, char *out, char *res_out) {
-    const int64_t e = ELEM[dt], hp = (H + LANES - 1) / LANES * LANES;
-    float *r = scratch_bytes((size_t)(LANES * hp + H) * sizeof(float)), *wf = r + LANES * hp;
-    for (int64_t i = 0; i < H; i++) wf[i] = load_act(w, dt, i);
-    for (int64_t t0 = 0; t0 < T; t0 += LANES) {
-        const int64_t g = T - t0 < LANES ? T - t0 : LANES;
-        v16 acc[LANES];
-        float sums[LANES], inv[LANES];
-        for (int64_t k = 0; k < LANES; k++) {
-            float *rk = r + k * hp;
-            acc[k] = zero16();
-            if (k >= g) continue;
-            const char *xr = x + (t0 + k) * sx * e;
-            for (int64_t i = 0; i < H; i++) rk[i] = load_act(xr, dt, i);
-            for (int64_t i = H; i < hp; i++) rk[i] = 0.0f;
-            if (res) {
-                const char *rr = res + (t0 + k) * sres * e;
-                for (int64_t i = 0; i < H; i++) rk[i] = round_act(dt, rk[i] + load_act(rr, dt, i));
-                for (int64_t i = 0; i < H; i++) store_act(res_out + (t0 + k) * H * e, dt, i, rk[i]);
-            }
-            for (int64_t i = 0; i < hp; i += LANES) {
-                const v16 v = load16(rk + i);
-                acc[k] = fma16(v, v, acc[k]);
-            }
-        }
-        finish16x16(acc, 4, sums, 4);                        /* sums[4k + m] = finish16(acc[4m + k]) */
-        for (int64_t k = 0; k < g; k++) inv[k] = 1.0f / sqrtf(sums[(k % 4) * 4 + k / 4] / (float)H + eps);
-        for (int64_t k = 0; k < g; k++)
-            for (int64_t i = 0; i < H; i++)
-                store_act(out + (t0 + k) * H * e, dt, i, round_act(dt, r[k * hp + i] * inv[k]) * wf[i]);
+/* contract_dot(r, r) of n fp32 values (n a multiple of 16) in this file's lanes. */
+static float sumsq32(const float *r, int64_t n) {
+    v16 acc = zero16();
+    for (int64_t i = 0; i < n; i += LANES) {
+        const v16 v = load16(r + i);
+        acc = fma16(v, v, acc);
     }
+    return finish16(acc);
 }
 
+/* native.h norm_rows with this file's sum of squares, on the calling thread (the fused calls' chunks). */
 static void norm_rows32(int64_t T, int64_t H, int dt, const char *x, int64_t sx, const char *res, int64_t sres,
                         const char *w, float eps, char *out, char *res_out) {
-    if (dt == BF16) norm_rows32_dt(T, H, BF16, x, sx, res, sres, w, eps, out, res_out);
-    else norm_rows32_dt(T, H, F32, x, sx, res, sres, w, eps, out, res_out);
+    norm_rows(sumsq32, LANES, T, H, dt, x, sx, res, sres, w, eps, out, res_out);
 }
 
 /* norm_rows32, a prefill's rows split over the threads (every row alone: the same bits). An element
