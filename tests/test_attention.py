@@ -123,6 +123,24 @@ def test_a_steps_index_work_follows_its_metadata():
         assert torch.equal(call(), fresh())
 
 
+@pytest.mark.parametrize("qlens", [[1, 1, 1], [6, 6, 6], [6, 2, 5], [3, 0, 2]])
+def test_paged_out_receives_the_result(qlens):
+    """attention_paged(..., out=rows) fills rows of a larger buffer (vLLM's output) and returns them:
+    bitwise the call without out, for decode, equal-length prefill (the native walk writes the rows
+    in place), ragged and padded steps (copied); the buffer's other rows untouched. Companion:
+    another scale changes the result (the comparison reads real rows)."""
+    g = torch.Generator().manual_seed(6)
+    kc, vc = (torch.randn(12, 16, HKV, D, generator=g).bfloat16() for _ in range(2))
+    table, seq_lens = torch.tensor([[3, 7, 1], [5, 0, 9], [2, 4, 6]]), torch.tensor([40, 17, 33])
+    t = sum(qlens) + (qlens == [3, 0, 2])            # the padded step: a row no request holds
+    q = torch.randn(t, HQ, D, generator=g).bfloat16()
+    want = co.attention_paged(q, kc, vc, table, seq_lens, cu(qlens))
+    buf = torch.full((t + 2, HQ, D), float("nan"), dtype=torch.bfloat16)
+    got = co.attention_paged(q, kc, vc, table, seq_lens, cu(qlens), out=buf[:t])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:t], want) and buf[t:].isnan().all()
+    assert not torch.equal(co.attention_paged(q, kc, vc, table, seq_lens, cu(qlens), scale=0.5), want)
+
+
 def sdpa(q, k, v):
     """Stock path: PyTorch SDPA with GQA, causal over the last q rows."""
     qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))

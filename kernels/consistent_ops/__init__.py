@@ -17,13 +17,19 @@ def attention_varlen(q, k, v, cu_seqlens, scale=None):
 
 
 def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
-                    max_query_len=None):
+                    max_query_len=None, out=None):
     """New tokens against a paged KV cache [pages, page_size, Hkv, D] that already holds them.
     max_query_len: an upper bound on any sequence's new tokens, e.g. vLLM's metadata value: a
     launch size for flash-attention-npu (never the bits); the Triton grid comes from shapes and
-    the reference reads the lengths, so both ignore it."""
-    return get_backend().attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale,
-                                         max_query_len)
+    the reference reads the lengths, so both ignore it. out: a tensor of q's shape and dtype (e.g.
+    vLLM's output rows) that receives the result and is returned: the reference backend writes it
+    in place (on CPU), the others' result is copied in."""
+    backend = get_backend()
+    args = (q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale, max_query_len)
+    if out is not None and backend.NAME == "reference":
+        return backend.attention_paged(*args, out=out)
+    result = backend.attention_paged(*args)
+    return result if out is None else out.copy_(result)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):

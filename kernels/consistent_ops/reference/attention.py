@@ -96,13 +96,14 @@ def _attend(q, qpos, kv, scale):
     return _attend_native(q, qpos, kv, scale)
 
 
-def _attend_native(q, qpos, kv, scale):
-    """native.attend_heads: _rows' rows read where q holds them, the result written as _unrows makes it."""
+def _attend_native(q, qpos, kv, scale, out=None):
+    """native.attend_heads: _rows' rows read where q holds them, the result written as _unrows makes it
+    (into out when given)."""
     k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
     layout = getattr(kv, "layout", None)        # a paged step's: its rows' positions and offset range, made once
     rows_qpos = layout.rows_qpos if layout is not None else qpos.repeat(1, q.shape[2] // kv.hkv)
     return native.attend_heads(q, kv.hkv, k, v, token, head_stride, dim_stride, rows_qpos, seq_lens, scale,
-                               KV_CHUNK, None if layout is None else layout.token_range)
+                               KV_CHUNK, None if layout is None else layout.token_range, out)
 
 
 def _attend_torch(q, qpos, kv, scale):
@@ -220,33 +221,45 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
 
 
 def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_start_loc, scale=None,
-                    max_query_len=None):
+                    max_query_len=None, out=None):
     """New tokens of each sequence against the paged cache (which already holds them).
     q [T, Hq, D]; caches [pages, page_size, Hkv, D]; block_table [S, max_pages];
     seq_lens [S] include this step's tokens; query_start_loc [S+1]. max_query_len (a launch
-    bound for backends that size grids by it) is not needed here: the lengths are read."""
+    bound for backends that size grids by it) is not needed here: the lengths are read.
+    out: q's shape and dtype (e.g. vLLM's output rows), returned; the native walk writes it in
+    place where the rows need no padding (decode, a prefill of equal lengths), else a copy."""
     _check_heads(q.shape[1], key_cache.shape[2])
     scale = attention_scale(q.shape[-1]) if scale is None else scale
     layout = _PagedLayout.of(q.shape[:2], q.device, key_cache, block_table, seq_lens, query_start_loc)
     if layout.padded:    # padding (a padded capture size): rows of no request are 0
-        return _padded_batch(q, key_cache, value_cache, block_table, seq_lens, layout.starts, layout.lens, scale)
+        return _into(out, _padded_batch(q, key_cache, value_cache, block_table, seq_lens, layout.starts, layout.lens,
+                                        scale))
     if layout.token is None:
         kv = _gathered_kv(key_cache, value_cache, layout.table, layout.seq_lens, layout.walked)
     else:
         kv = _PagedKV(key_cache, value_cache, layout)
-        if layout.decode and q.dtype in native.DTYPES and not recording(q, key_cache, value_cache):
-            return _decode(q, kv, scale)
+        native_rows = q.dtype in native.DTYPES and not recording(q, key_cache, value_cache)
+        if layout.decode and native_rows:
+            return _decode(q, kv, scale, out)
+        if native_rows and layout.lens.count(layout.width) == len(layout.lens):   # rows [S, width] as they lie
+            qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
+            rows = None if out is None else out.view(qp.shape)
+            return _attend_native(qp, layout.qpos, kv, scale, rows).view(q.shape)
     qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
-    return _unpad_rows(_attend(qp, layout.qpos, kv, scale), layout.lens)
+    return _into(out, _unpad_rows(_attend(qp, layout.qpos, kv, scale), layout.lens))
 
 
-def _decode(q, kv, scale):
+def _into(out, result):
+    return result if out is None else out.copy_(result)
+
+
+def _decode(q, kv, scale, out=None):
     """_attend_native for one new token per sequence, q [S, Hq, D] (CPU inference) as [S, 1, Hq, D]:
     without _pad_rows' and _unpad_rows' reshapes."""
     k, v, token, head_stride, dim_stride, seq_lens = kv.addresses()
-    out = native.attend_heads(q[:, None], kv.hkv, k, v, token, head_stride, dim_stride, kv.layout.rows_qpos,
-                              seq_lens, scale, KV_CHUNK, kv.layout.token_range)
-    return out[:, 0]
+    res = native.attend_heads(q[:, None], kv.hkv, k, v, token, head_stride, dim_stride, kv.layout.rows_qpos,
+                              seq_lens, scale, KV_CHUNK, kv.layout.token_range, None if out is None else out[:, None])
+    return res[:, 0]
 
 
 class _PagedLayout:

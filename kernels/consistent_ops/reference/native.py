@@ -295,17 +295,24 @@ def attend(qh, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chun
     return out
 
 
-def attend_heads(q, hkv, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk, token_range=None):
+def attend_heads(q, hkv, k, v, token, head_stride, dim_stride, qpos, seq_lens, scale, chunk, token_range=None,
+                 out=None):
     """attend's walk for q [S, T, Hq, D] as it lies (any strides, D contiguous): KV head h's rows are its
     G = Hq / hkv query heads x T tokens, row r = (g, t) = (r / T, r % T) (qpos [S, G * T] in that order),
     read in place; returns [S, T, Hq, D] in q's dtype, each row the rounding of attend's fp32 row, as
-    .to() rounds it, so the bits of attend's rows permuted and cast, without those copies."""
+    .to() rounds it, so the bits of attend's rows permuted and cast, without those copies. out: a tensor
+    of q's shape and dtype (any strides, D contiguous) written in place instead of a new one."""
     S, T, hq, D = q.shape
     q = _unit_last(q)
     g = hq // hkv
-    out = torch.empty(S, T, hq, D, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(S, T, hq, D, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"attend_heads: out {tuple(out.shape)} {out.dtype} (last stride {out.stride(-1)}); "
+                         f"pass one of q's shape {tuple(q.shape)} and dtype {q.dtype}, last dimension contiguous")
     _attend(q, (S, hkv, g * T, D, T), (q.stride(0), g * q.stride(2), q.stride(2), q.stride(1)), k, v, token, head_stride,
-            dim_stride, qpos, seq_lens, scale, chunk, token_range, out, (T * hq * D, g * D, D, hq * D))
+            dim_stride, qpos, seq_lens, scale, chunk, token_range, out,
+            (out.stride(0), g * out.stride(2), out.stride(2), out.stride(1)))
     return out
 
 

@@ -179,13 +179,12 @@ class ConsistentAttentionImpl(AttentionImpl[ConsistentAttentionMetadata]):
         n = attn_metadata.num_tokens
         k_cache, v_cache = self.caches(kv_cache)
         for g in attn_metadata.groups:
-            q = query[:n] if g.rows is None else query[g.rows]
-            out = co.attention_paged(q, k_cache, v_cache, g.block_table, g.seq_lens, g.query_start_loc,
-                                     max_query_len=g.max_query_len)
-            if g.rows is None:
-                output[:n] = out
+            if g.rows is None:      # the rows of the output buffer written in place (by a backend that can)
+                co.attention_paged(query[:n], k_cache, v_cache, g.block_table, g.seq_lens, g.query_start_loc,
+                                   max_query_len=g.max_query_len, out=output[:n])
             else:
-                output[g.rows] = out
+                output[g.rows] = co.attention_paged(query[g.rows], k_cache, v_cache, g.block_table, g.seq_lens,
+                                                    g.query_start_loc, max_query_len=g.max_query_len)
         if n < output.shape[0]:
             output[n:] = 0                 # padded rows: defined, never read
         return output
