@@ -7,8 +7,6 @@ $CONSISTENT_OPS_CPU_ACCUMULATION = fp32, bf16 where the CPU has avx512_bf16) and
 bf16 (oneDNN: AMX / AVX512_BF16 where present) and fp32, in this process's threads; medians of
 interleaved runs, GFLOP/s and ours / torch bf16. Where the prefill ratio is far below 1 the gap is
 the contraction's arithmetic (what an AMX realisation would close), else the time is elsewhere.
-"ours bf16 amx": the bf16 pairs on AMX tiles ($CONSISTENT_OPS_CPU_AMX=1, the same bits), where this
-CPU and Linux allow AMX (else one line says it is skipped).
 
     python benchmarks/bench_cpu_dot.py [--threads N] [--json out.json]
 """
@@ -48,19 +46,11 @@ def timed(fn, reps):
     return out
 
 
-def ours(name, a, w, amx="0"):
-    def run():   # the realisation and the pairs' engine set in the call: the cases interleave
+def ours(name, a, w):
+    def run():   # the realisation set in the call: the cases interleave
         os.environ[CPU_ACCUMULATION_ENV] = name
-        os.environ[native.AMX_ENV] = amx
         return native.matmul(a, w.t())
     return run
-
-
-def amx_runs(names):
-    """Whether the bf16 pairs can run on AMX tiles here: CONSISTENT_OPS_CPU_AMX=1 finds AMX-BF16 and
-    Linux's tile permission (else it would time the pairs' usual path under the amx label)."""
-    os.environ[native.AMX_ENV] = "1"
-    return "bf16" in names and native.amx_engine() == "amx"
 
 
 def main():
@@ -74,25 +64,20 @@ def main():
             print(f"error: --threads {args.threads}: use 1 or more", file=sys.stderr)
             raise SystemExit(2)
         torch.set_num_threads(args.threads)
-    try:   # the cases set both per call; a bad value the caller set is still a mistake to name
-        native.accumulation(), native.amx_engine()
+    try:   # the cases set it per call; a bad value the caller set is still a mistake to name
+        native.accumulation()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
     names = realisations()
     cpu = cpu_description()
     print(f"# {cpu}; realisations {names}, {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
-    amx = amx_runs(names)
-    if not amx:
-        print("# bf16 amx: skipped (needs avx512_bf16, AMX-BF16 and Linux's permission for tile data)", flush=True)
     rows = []
     g = torch.Generator().manual_seed(0)
     for label, m, k, n in SHAPES:
         a = torch.randn(m, k, generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
         cases = {f"ours {r}": ours(r, a, w) for r in names}
-        if amx:
-            cases["ours bf16 amx"] = ours("bf16", a, w, "1")
         cases["torch bf16"] = lambda: torch.matmul(a, w.t())
         af, wf = a.float(), w.float()
         cases["torch fp32"] = lambda: torch.matmul(af, wf.t())

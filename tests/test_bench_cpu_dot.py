@@ -32,25 +32,13 @@ def test_bad_thread_count_is_one_line():
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --threads 0: use 1 or more"
 
 
-def test_bad_amx_switch_is_one_line(monkeypatch):
-    monkeypatch.setenv(native.AMX_ENV, "yes")
-    proc = _run("--threads", "1")
-    assert proc.returncode == 2 and proc.stderr.strip() == (
-        "error: CONSISTENT_OPS_CPU_AMX='yes': use 1 (AMX where available), emulate, or 0 / off / unset")
-
-
 def test_each_case_runs_in_its_own_realisation(monkeypatch):
     """The cases are made together and interleaved: each sets its realisation when called (it was
     set when made, so every case ran the last one's)."""
     monkeypatch.setenv("CONSISTENT_OPS_CPU_ACCUMULATION", "fp32")
-    monkeypatch.setenv(native.AMX_ENV, "0")
     bench_cpu_dot = benchmark(monkeypatch, "bench_cpu_dot")
     a, w = torch.randn(8, 300).bfloat16(), torch.randn(16, 300).bfloat16()
     cases = {name: bench_cpu_dot.ours(name, a, w) for name in ("fp32", "bf16")}
     pairs = native.dot32p_matmul(a, w.t())
     assert not torch.equal(pairs, native.dot32_matmul(a, w.t()))
     assert torch.equal(cases["fp32"](), native.dot32_matmul(a, w.t())) and torch.equal(cases["bf16"](), pairs)
-    tiles = bench_cpu_dot.ours("bf16", a, w, "emulate")            # the amx case's engine, emulated here
-    assert torch.equal(tiles(), pairs) and native.amx_engine() == "emulate"
-    cases["bf16"]()
-    assert native.amx_engine() == "off"

@@ -17,23 +17,6 @@
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
-/* AMX tiles (block_tiles) where the compiler has the intrinsics, in functions of their own target
- * (AMX_TARGET): the rest of the build keeps its flags, and only a CPU with AMX runs them. */
-#if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
-#define AMX_BUILD 1
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-#define AMX(op) op
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define AMX_BUILD 0
-#define AMX_TARGET
-#define AMX(op) ((void)0)
-#endif
-
 enum { LANES = 16 };
 enum { BFULL_FLOATS = 1 << 20 };  /* B widened whole up to 4 MiB */
 enum { BBUF_FLOATS = 65536 };     /* else blocks of B rows: 256 KiB (L2) */
@@ -339,180 +322,6 @@ static void copy_bf16(const uint16_t *src, int64_t n, int64_t s, int64_t kp, uin
     memset(dst + n, 0, (size_t)(kp - n) * 2);
 }
 
-/* ---- The pair order on AMX tiles (issue 30): $CONSISTENT_OPS_CPU_AMX, default off ----
- * TDPBF16PS: C (16 x 16 fp32) += A (16 rows of 16 bf16 pairs) . B (VNNI: row p holds column c's pair
- * at elements 2c, 2c+1): C[r][c] takes the pairs p = 0..15 in ascending p, element TDP_FIRST of
- * each first, one fma rounding each, DAZ on bf16 inputs, FTZ on results (reference/amx_probe.c
- * candidate "a", the SDM's order). block_tiles gives every lane of every output its own C element:
- * lane j's tiles hold lane j of 32 x 32 outputs, A row r the pairs (k = 32i + 2j, 32i + 2j + 1) of
- * output row r for 16 consecutive i, B row p the same pair of 16 output columns, so one instruction
- * runs 16 of pair16's steps of lane j, i ascending, and each lane is its own chain from +0. Pairs are
- * packed with k + 1 as element TDP_FIRST, so the instruction's element order is VDPBF16PS's. Pairs
- * past kp / 32 (filling the last tile) are +0 in A and -0 in B: their products are -0, and
- * acc + (-0) == acc for every acc (-0 and NaN too), so they are no steps; kp's own zero padding stays
- * +0 . +0 pairs, as pair16 adds them (they turn a -0 lane into +0 there as here). Rows past mr and
- * columns past nr are computed from zeros and never stored. The 16 lane tiles of an output then meet
- * in finish16's tree (tree16). Two engines run this data path: the instructions (AMX where CPUID and
- * Linux allow it) and tdp_emulate, the instruction in C, so it is tested on CPUs without AMX. */
-enum { TILE = 16, TILE_BLOCK = 2 * TILE, TILE_ROWS = 2 * TILE_BLOCK };   /* 2 x 2 C tiles a lane */
-enum { TDP_FIRST = 0 };                      /* the pair element TDPBF16PS adds first (probe: "a") */
-enum { ENGINE_OFF = 0, ENGINE_EMULATE = 1, ENGINE_AMX = 2 };
-static const uint32_t PAD_B = 0x80008000u;   /* a B pair of -0s: the pad products are -0, no steps */
-
-/* Test-only variants of the emulation (dot32_tiles_variant), each one way to get the order wrong,
- * which tests/test_native_amx.py must see: pairs not swapped, no DAZ, no FTZ, a pair's products
- * and acc summed in fp64 and rounded once, the lanes summed left to right instead of the tree. */
-enum { V_UNSWAPPED = 1, V_NO_DAZ = 2, V_NO_FTZ = 4, V_ONE_ROUNDING = 8, V_LANE_ORDER = 16 };
-static int tile_variant;
-
-int dot32_tiles_variant(int variant) {
-    const int old = tile_variant;
-    tile_variant = variant;
-    return old;
-}
-
-typedef struct { uint32_t reg[8][TILE][TILE]; } Tiles;   /* tmm0..7 in C: 16 rows of 64 bytes */
-
-static inline float tdp_in(uint16_t h) { return tile_variant & V_NO_DAZ ? bf16_to_float(h) : daz_bf16(h); }
-static inline float tdp_out(float x) { return tile_variant & V_NO_FTZ ? x : ftz32(x); }
-
-/* TDPBF16PS tmm c += tmm a . tmm b in C (the order above). */
-static void tdp_emulate(Tiles *T, int c, int a, int b) {
-    for (int r = 0; r < TILE; r++)
-        for (int n = 0; n < TILE; n++) {
-            float acc;
-            memcpy(&acc, &T->reg[c][r][n], 4);
-            acc = tdp_out(acc);                                                     /* C read with DAZ */
-            for (int p = 0; p < TILE; p++) {
-                const uint32_t x = T->reg[a][r][p], y = T->reg[b][p][n];
-                const float x0 = tdp_in((uint16_t)(x >> 16 * TDP_FIRST)), y0 = tdp_in((uint16_t)(y >> 16 * TDP_FIRST));
-                const float x1 = tdp_in((uint16_t)(x >> 16 * !TDP_FIRST)), y1 = tdp_in((uint16_t)(y >> 16 * !TDP_FIRST));
-                if (tile_variant & V_ONE_ROUNDING)
-                    acc = tdp_out((float)((double)acc + ((double)x0 * y0 + (double)x1 * y1)));
-                else
-                    acc = tdp_out(fmaf(x1, y1, tdp_out(fmaf(x0, y0, acc))));
-            }
-            memcpy(&T->reg[c][r][n], &acc, 4);
-        }
-}
-
-static void tile_move(void *dst, int64_t dst_stride, const void *src, int64_t src_stride) {
-    for (int r = 0; r < TILE; r++) memcpy((char *)dst + r * dst_stride, (const char *)src + r * src_stride, 4 * TILE);
-}
-
-#if AMX_BUILD
-/* AMX-BF16 usable here: CPUID.(7,0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), and Linux's
- * permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA: per process,
- * asked once). */
-static int amx_usable(void) {
-    static int state = -1;
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s < 0) {
-        unsigned ea, eb, ec, ed;
-        s = __get_cpuid_count(7, 0, &ea, &eb, &ec, &ed) && (ed >> 22 & 1) && (ed >> 24 & 1)
-            && !syscall(SYS_arch_prctl, 0x1023, 18);
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s;
-}
-
-/* Palette 1, tmm0..7 each 16 rows of 64 bytes: per thread (the tile configuration is thread state). */
-AMX_TARGET static void amx_configure(void) {
-    struct __attribute__((aligned(64))) { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.rows[t] = TILE; cfg.colsb[t] = 4 * TILE; }
-    _tile_loadconfig(&cfg);
-}
-#else
-static int amx_usable(void) { return 0; }
-#endif
-
-/* The engine dot_pairs runs, from $CONSISTENT_OPS_CPU_AMX read at each call (so a test or a bench
- * switches it in one process): "1" AMX where amx_usable() (else, silently, block_pairs), "emulate"
- * tdp_emulate, anything else block_pairs (native.py refuses values other than unset, 0 and off). */
-int dot32_tile_engine(void) {
-    const char *v = getenv("CONSISTENT_OPS_CPU_AMX");
-    if (!v) return ENGINE_OFF;
-    if (!strcmp(v, "emulate")) return ENGINE_EMULATE;
-    return !strcmp(v, "1") && amx_usable() ? ENGINE_AMX : ENGINE_OFF;
-}
-
-/* One row of kp bf16 (NULL: zeros) in lane order: lane j's pair i (k = 32i + 2j) at dst[j * sj + i * si]
- * for i < nip, swapped (k + 1 as element TDP_FIRST) where swap; pairs i >= kp / 32 are pad. */
-static void pack_lanes(const uint16_t *row, int64_t kp, int64_t nip, int swap, uint32_t pad, uint32_t *dst,
-                       int64_t sj, int64_t si) {
-    const int64_t ni = kp / PAIR_K;
-    for (int j = 0; j < LANES; j++)
-        for (int64_t i = 0; i < nip; i++) {
-            uint32_t x = row ? pad : 0;                                   /* (pads read the same swapped) */
-            if (row && i < ni) memcpy(&x, row + i * PAIR_K + 2 * j, 4);   /* element 0 = k (little-endian) */
-            dst[j * sj + i * si] = swap ? x >> 16 | x << 16 : x;
-        }
-}
-
-/* block_pairs (same arguments, the same bits) on tiles: real, the AMX instructions; else tdp_emulate.
- * Returns 0, or -1 when its buffers (slot 1 of this thread's scratch) cannot be had. */
-AMX_TARGET static int block_tiles(const uint16_t *a, int64_t lda, int64_t mr, const uint16_t *const *b, int64_t nr,
-                                  int64_t kp, float *out, int64_t ldo, int real) {
-    const int64_t nip = (kp / PAIR_K + TILE - 1) / TILE * TILE, rows = (mr + TILE_BLOCK - 1) / TILE_BLOCK * TILE_BLOCK;
-    const int64_t apitch = LANES * nip, bhalf = LANES * nip * TILE;   /* pairs a packed A row, a B tile column */
-    uint32_t *ap = scratch_slot(1, (size_t)(rows * apitch + 2 * bhalf + LANES * TILE_BLOCK * TILE_BLOCK) * 4);
-    if (!ap) return -1;
-    uint32_t *bp = ap + rows * apitch;
-    float *lanes = (float *)(bp + 2 * bhalf);                      /* [lane][32 rows][32 columns] */
-    const int swap = (TDP_FIRST == 0) != (!real && (tile_variant & V_UNSWAPPED));
-    const int lane_order = !real && (tile_variant & V_LANE_ORDER);
-    Tiles emu;
-#define T_ZERO(t) do { if (real) AMX(_tile_zero(t)); else memset(emu.reg[t], 0, sizeof emu.reg[t]); } while (0)
-#define T_LOAD(t, p, s) do { if (real) AMX(_tile_loadd(t, p, s)); else tile_move(emu.reg[t], 4 * TILE, p, s); } while (0)
-#define T_STORE(t, p, s) do { if (real) AMX(_tile_stored(t, p, s)); else tile_move(p, s, emu.reg[t], 4 * TILE); } while (0)
-#define T_DP(c, x, y) do { if (real) AMX(_tile_dpbf16ps(c, x, y)); else tdp_emulate(&emu, c, x, y); } while (0)
-    if (real) AMX(amx_configure());
-    for (int64_t r = 0; r < rows; r++) pack_lanes(r < mr ? a + r * lda : NULL, kp, nip, swap, 0, ap + r * apitch, nip, 1);
-    for (int64_t n0 = 0; n0 < nr; n0 += TILE_BLOCK) {
-        for (int64_t c = 0; c < TILE_BLOCK; c++)       /* B tile column c % 16 of half c / 16, rows i */
-            pack_lanes(n0 + c < nr ? b[n0 + c] : NULL, kp, nip, swap, PAD_B, bp + c / TILE * bhalf + c % TILE,
-                       nip * TILE, TILE);
-        const int cols2 = nr - n0 > TILE;
-        for (int64_t m0 = 0; m0 < mr; m0 += TILE_BLOCK) {
-            const int rows2 = mr - m0 > TILE;
-            for (int j = 0; j < LANES; j++) {          /* tmm0..3 C, tmm4/5 A rows, tmm6/7 B columns */
-                const uint32_t *a0 = ap + m0 * apitch + j * nip, *a1 = a0 + TILE * apitch, *b0 = bp + j * nip * TILE;
-                float *l = lanes + j * TILE_BLOCK * TILE_BLOCK;
-                T_ZERO(0); T_ZERO(1); T_ZERO(2); T_ZERO(3);
-                for (int64_t i = 0; i < nip; i += TILE) {
-                    T_LOAD(4, a0 + i, apitch * 4);
-                    T_LOAD(6, b0 + i * TILE, 4 * TILE);
-                    T_DP(0, 4, 6);
-                    if (cols2) { T_LOAD(7, b0 + bhalf + i * TILE, 4 * TILE); T_DP(1, 4, 7); }
-                    if (rows2) { T_LOAD(5, a1 + i, apitch * 4); T_DP(2, 5, 6); }
-                    if (rows2 && cols2) T_DP(3, 5, 7);
-                }
-                T_STORE(0, l, 4 * TILE_BLOCK);
-                if (cols2) T_STORE(1, l + TILE, 4 * TILE_BLOCK);
-                if (rows2) T_STORE(2, l + TILE * TILE_BLOCK, 4 * TILE_BLOCK);
-                if (rows2 && cols2) T_STORE(3, l + TILE * TILE_BLOCK + TILE, 4 * TILE_BLOCK);
-            }
-            for (int64_t r = 0; r < TILE_BLOCK && m0 + r < mr; r++)        /* the lanes' tree, 16 outputs at a time */
-                for (int64_t c0 = 0; c0 < TILE_BLOCK && n0 + c0 < nr; c0 += LANES) {
-                    v16 l[LANES];
-                    float f[LANES];
-                    for (int j = 0; j < LANES; j++) l[j] = load16(lanes + (j * TILE_BLOCK + r) * TILE_BLOCK + c0);
-                    for (int j = 1; j < LANES && lane_order; j++) l[0] = add16(l[0], l[j]);
-                    store16(f, lane_order ? l[0] : tree16(l));
-                    for (int64_t c = 0; c < LANES && n0 + c0 + c < nr; c++) out[(m0 + r) * ldo + n0 + c0 + c] = f[c];
-                }
-        }
-    }
-#undef T_ZERO
-#undef T_LOAD
-#undef T_STORE
-#undef T_DP
-    if (real) AMX(_tile_release());
-    return 0;
-}
-
 /* dot32 for two BF16 operands in the pair order. Rows read in place where k is contiguous and
  * K a multiple of PAIR_K (weights, activations), else copied and padded. solo: on the calling
  * thread alone (a fused call's chunk, its threads already busy), else large blocks split their
@@ -521,8 +330,8 @@ static int dot_pairs(int solo, const int64_t *shape, const char *A, const int64_
                      const int64_t *mlen, float *out) {
     const int64_t M = shape[3], N = shape[4], K = shape[5];
     const int64_t kp = (K + PAIR_K - 1) / PAIR_K * PAIR_K;
-    const int a_direct = sa[4] == 1 && kp == K, b_direct = sb[4] == 1 && kp == K, engine = dot32_tile_engine();
-    int64_t mb = engine ? TILE_ROWS : kp ? 2 * ABUF_FLOATS / kp : M;   /* tiles: whole 32-row blocks */
+    const int a_direct = sa[4] == 1 && kp == K, b_direct = sb[4] == 1 && kp == K;
+    int64_t mb = kp ? 2 * ABUF_FLOATS / kp : M;
     mb = mb < 2 ? 2 : mb > M ? M : mb;
     int64_t nb = N * kp <= 2 * BFULL_FLOATS ? N : (2 * BBUF_FLOATS / kp) / PAIR_COLS * PAIR_COLS;
     if (nb < PAIR_COLS) nb = PAIR_COLS;
@@ -564,11 +373,8 @@ static int dot_pairs(int solo, const int64_t *shape, const char *A, const int64_
 #pragma omp parallel num_threads(nt) if (nt > 1)
                 {
                     int64_t lo, hi;
-                    share(nr, engine ? TILE_BLOCK : PAIR_COLS, &lo, &hi);   /* whole register / tile blocks of columns */
-                    const int64_t lda = a_direct ? sa[3] : kp;
-                    if (hi > lo && (!engine || block_tiles(ab, lda, mr, brow + lo, hi - lo, kp, ob + m0 * N + n0 + lo, N,
-                                                           engine == ENGINE_AMX)))
-                        block_pairs(ab, lda, mr, brow + lo, hi - lo, kp, ob + m0 * N + n0 + lo, N);   /* same bits */
+                    share(nr, PAIR_COLS, &lo, &hi);   /* whole register blocks of columns */
+                    if (hi > lo) block_pairs(ab, a_direct ? sa[3] : kp, mr, brow + lo, hi - lo, kp, ob + m0 * N + n0 + lo, N);
                 }
             }
         }
@@ -1133,12 +939,11 @@ static void expert_rows(int pairs, int dt, const char *base, int64_t sn, int64_t
 
 /* out [mr, nr] (contiguous) = the dots of mr operand rows a (row stride lda elements) with an expert's
  * rows (expert_rows: ptr for pairs, w for fp32): the kernels dot32p / dot32 run on the same rows, so
- * their bits. engine: dot32_tile_engine()'s, as dot_pairs uses it. */
-static void moe_block(int pairs, int engine, const void *a, int64_t lda, int64_t mr, const uint16_t *const *ptr,
+ * their bits. */
+static void moe_block(int pairs, const void *a, int64_t lda, int64_t mr, const uint16_t *const *ptr,
                       const float *w, int64_t nr, int64_t kp, float *out) {
-    if (!pairs) block32(a, mr, w, nr, kp, out, nr);
-    else if (!engine || block_tiles(a, lda, mr, ptr, nr, kp, out, nr, engine == ENGINE_AMX))
-        block_pairs(a, lda, mr, ptr, nr, kp, out, nr);
+    if (pairs) block_pairs(a, lda, mr, ptr, nr, kp, out, nr);
+    else block32(a, mr, w, nr, kp, out, nr);
 }
 
 /* The MoE experts of reference/moe.py moe_expert_contributions without autograd, in one call:
@@ -1155,7 +960,6 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
                   const int64_t *ids, const float *wts, int64_t e0, int64_t ne, const char *gu, const int64_t *sgu,
                   const char *dn, const int64_t *sdn, int pairs, float *contrib, uint8_t *owned, char *combined) {
     pairs = pairs && dt == BF16;                          /* dot32p runs other operands as dot32 */
-    const int engine = pairs ? dot32_tile_engine() : ENGINE_OFF;
     const int64_t e = ELEM[dt], TK = T * k, es = pairs ? 2 : 4, step = pairs ? PAIR_K : LANES;
     const int64_t kh = (H + step - 1) / step * step, ki = (I + step - 1) / step * step;
     int64_t *start = calloc((size_t)(ne + 1), sizeof(int64_t)), *list = malloc((size_t)(TK ? TK : 1) * sizeof(int64_t));
@@ -1208,17 +1012,17 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
         const float *gw = (const float *)buf[6], *dw = gw + ng * kh;
         for (int64_t i0 = start[le]; i0 < start[le + 1]; i0 += rows) {
             const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
-            const int64_t m = pairs && !engine && n % 4 == 3 ? n + 1 : n;   /* rows computed */
+            const int64_t m = pairs && n % 4 == 3 ? n + 1 : n;   /* rows computed */
             for (int64_t i = 0; i < m; i++)
                 operand_row(pairs, dt, i < n ? x + (pl[i] / k) * sx * e : NULL, H, kh, xa + i * kh * es);
-            moe_block(pairs, engine, xa, kh, m, gp, gw, 2 * I, kh, acc);
+            moe_block(pairs, xa, kh, m, gp, gw, 2 * I, kh, acc);
             round_rows(acc, dt, n * 2 * I, gd);                                               /* gu in dt */
             if (dt == BF16) silu_rows_dt(n, I, BF16, gd, 2 * I, gd + I * e, 2 * I, h, g);
             else silu_rows_dt(n, I, F32, gd, 2 * I, gd + I * e, 2 * I, h, g);
             const int direct = pairs && ki == I;                           /* h rows are the operand rows */
             for (int64_t i = direct ? n : 0; i < m; i++)
                 operand_row(pairs, dt, i < n ? h + i * I * e : NULL, I, ki, (direct ? h : ha) + i * ki * es);
-            moe_block(pairs, engine, direct ? h : ha, ki, m, dp, dw, H, ki, acc);
+            moe_block(pairs, direct ? h : ha, ki, m, dp, dw, H, ki, acc);
             for (int64_t i = 0; i < n; i++)
                 for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = acc[i * H + c] * wts[pl[i]];
         }

@@ -17,8 +17,7 @@ enum { F64 = 0, F32 = 1, BF16 = 2 };
 static const int64_t ELEM[] = {8, 4, 2};
 
 /* Growing buffers per thread (and per kernel file) for widened rows: never freed, so no
- * allocation per call. Slot 0 is a call's own (scratch_bytes); slot 1 is for a kernel that runs
- * inside a call holding slot 0 (dot32.c block_tiles' packed tiles); slot 2 is a fused call's chunk
+ * allocation per call. Slot 0 is a call's own (scratch_bytes); slot 1 is free; slot 2 is a fused call's chunk
  * buffers, held around the calls it makes (dot32.c fused_chunks); slot 3, a decoder layer's
  * intermediates, held around the fused calls it makes (dot32.c decode_layer32). */
 static void *scratch_slot(int slot, size_t bytes) {

@@ -9,10 +9,6 @@ the system C compiler on first use into ``$CONSISTENT_OPS_CACHE`` (default
 loaded with ctypes in every process (vLLM workers too). The bits do not depend on the build:
 the kernels' order is explicit and floating-point contraction is off. -fopenmp: large calls split
 whole outputs over torch's OpenMP threads (the same libgomp.so.1), never a sum.
-
-The bf16 realisation's pairs can also run on AMX tiles (dot32.c block_tiles, the same bits):
-$CONSISTENT_OPS_CPU_AMX = 1 (AMX where the CPU and Linux allow it, else the usual path), emulate
-(the tiles' C emulation), unset / 0 / off (default); ``amx_engine()`` names the one that runs.
 """
 import ctypes
 import functools
@@ -34,8 +30,6 @@ HEADER = Path(__file__).with_name("native.h")                      # included by
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-fopenmp"]
 LIBS = ["-lm"]
 DTYPES = {torch.float64: 0, torch.float32: 1, torch.bfloat16: 2}
-AMX_ENV = "CONSISTENT_OPS_CPU_AMX"
-AMX_VALUES = ("", "0", "off", "1", "emulate")     # read by dot32.c at each call
 _lock = threading.Lock()
 _lib = None
 
@@ -85,7 +79,6 @@ def library():
         return _lib
     with _lock:
         if _lib is None:
-            _amx_checked()                   # dot32.c reads it per call and takes a bad value as off
             lib = ctypes.CDLL(str(_build()))
             p = ctypes.c_void_p
             i64 = ctypes.c_int64
@@ -123,8 +116,6 @@ def library():
             lib.decode_layer32.argtypes, lib.decode_layer32.restype = [p, f32, f32, f32, f32], ctypes.c_int
             lib.log_softmax32.argtypes, lib.log_softmax32.restype = [i64, i64, p, i64, p, i64, i64, p], ctypes.c_int
             lib.dot32_isa.argtypes, lib.dot32_isa.restype = [], ctypes.c_int
-            lib.dot32_tile_engine.argtypes, lib.dot32_tile_engine.restype = [], ctypes.c_int
-            lib.dot32_tiles_variant.argtypes, lib.dot32_tiles_variant.restype = [ctypes.c_int], ctypes.c_int
             lib.moe_route32.argtypes = [i64, i64, p, i64, i64, ctypes.c_int, p, p]
             lib.moe_route32.restype = ctypes.c_int
             lib.moe_router32.argtypes = [i64, i64, i64, ctypes.c_int, p, i64, p, i64, ctypes.c_int, i64, ctypes.c_int, p, p]
@@ -139,20 +130,6 @@ def build_isa() -> str:
     isa = library().dot32_isa()
     name = "avx512" if isa & 2 else "avx2" if isa & 1 else "scalar"
     return name + " + vdpbf16ps" if isa & 4 else name
-
-
-def amx_engine() -> str:
-    """The engine of the bf16 pairs now ($CONSISTENT_OPS_CPU_AMX, read at every call): "amx" (the
-    TDPBF16PS tiles: set to 1 on a CPU with AMX-BF16 whose Linux grants tile data), "emulate" (their
-    C emulation) or "off" (VDPBF16PS or its emulation). Every engine gives the same bits."""
-    _amx_checked()
-    return ("off", "emulate", "amx")[library().dot32_tile_engine()]
-
-
-def _amx_checked():
-    value = os.environ.get(AMX_ENV, "")
-    if value not in AMX_VALUES:
-        raise ValueError(f"{AMX_ENV}={value!r}: use 1 (AMX where available), emulate, or 0 / off / unset")
 
 
 def _int64s(values):
