@@ -284,7 +284,25 @@ static void block_pairs(const uint16_t *a, int64_t lda, int64_t mr, const uint16
         const uint16_t *const *bj = b + j0;
         for (int64_t i = 0; i < mr; i += 4) {
             const int64_t mi = mr - i < 4 ? mr - i : 4;
-            if (mi < 4) {   /* tail rows (e.g. decode attention's 1-2 rows) alone: no padding rows computed */
+            if (mi == 2) {  /* two rows (decode attention's G = 2): each B load shared, two chains in flight */
+                const uint16_t *a0 = a + i * lda, *a1 = a0 + lda;
+                v16 c0[PAIR_COLS], c1[PAIR_COLS];
+                for (int64_t t = 0; t < PAIR_COLS; t++) c0[t] = c1[t] = zero16();
+                for (int64_t k = 0; k < kp; k += PAIR_K) {
+                    const p32 x0 = load_pairs(a0 + k), x1 = load_pairs(a1 + k);
+                    for (int64_t t = 0; t < PAIR_COLS; t++) {
+                        const p32 y = load_pairs(bj[t] + k);
+                        c0[t] = pair16(x0, y, c0[t]);
+                        c1[t] = pair16(x1, y, c1[t]);
+                    }
+                }
+                float f0[4], f1[4];
+                finish16x4(c0[0], c0[1], c0[2], c0[3], f0);
+                finish16x4(c1[0], c1[1], c1[2], c1[3], f1);
+                for (int64_t t = 0; t < nj; t++) { out[i * ldo + j0 + t] = f0[t]; out[(i + 1) * ldo + j0 + t] = f1[t]; }
+                continue;
+            }
+            if (mi < 4) {   /* one or three tail rows, each alone: no padding rows computed */
                 for (int64_t r = 0; r < mi; r++) {
                     const uint16_t *arow = a + (i + r) * lda;
                     v16 c[PAIR_COLS];
