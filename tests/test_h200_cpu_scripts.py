@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import readme
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKS = {   # pack -> files in it (a wheel's site-packages content)
     "vllm026": ["vllm/__init__.py", "vllm-0.26.0.dist-info/METADATA", "pydantic/__init__.py",
@@ -62,6 +64,21 @@ def test_env_step_keeps_the_cpu_pack_off_the_pythonpath(tmp_path):
     entries = path.split("=", 1)[1].split("${")[0].split(":")
     assert f"{sites}/vllm026" in entries and not any("cpu" in Path(e).name for e in entries), path   # ... not on the path
     assert "kept off" in res.stdout and "vllmcpu026" in res.stdout
+
+
+def test_env_step_assembles_only_the_packs_named(tmp_path):
+    """H200_PACKS=vllm026: ready with the vllm026 pieces alone though MANIFEST lists the CPU pack too
+    (without it: exit 3, a piece missing); a name MANIFEST lacks: exit 2, one line naming the packs."""
+    repo, tmp = _repo(tmp_path, ["vllm026", "vllmcpu026"]), tmp_path / "tmp"
+    (repo / ".h200" / "vllmcpu026.tar.xz.part-aa").unlink()
+    assert _run(repo, "h200_vllm_env.sh", tmp, H200_ENV_SMOKE="0").returncode == 3
+    env, _ = readme.readme_command("H200_PACKS=vllm026 bash scripts/h200_vllm_env.sh")     # README's, as written
+    res = _run(repo, "h200_vllm_env.sh", tmp, H200_ENV_SMOKE="0", **env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (tmp / "h200_site" / "vllm026" / "vllm-0.26.0.dist-info").is_dir() and not (tmp / "h200_site" / "vllmcpu026").exists()
+    bad = _run(repo, "h200_vllm_env.sh", tmp, H200_ENV_SMOKE="0", H200_PACKS="vllm027")
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "error: H200_PACKS=vllm027 names no pack of .h200/MANIFEST (vllm026,vllmcpu026); name some of those"]
 
 
 def test_cpu_bench_refuses_without_the_env_step(tmp_path):

@@ -46,6 +46,8 @@ RUN = {
     "bash scripts/test.sh": ".ci/run",
     "bash scripts/setup_megatron.sh": "scripts/test.sh",
     "bash scripts/amx_probe.sh --self-test": "tests/test_amx_probe.py::test_self_test_tells_every_candidate_apart",
+    "H200_PACKS=vllm026 bash scripts/h200_vllm_env.sh":
+        "tests/test_h200_cpu_scripts.py::test_env_step_assembles_only_the_packs_named",
 }
 # README command -> why this CI (2 CPU cores, no accelerator, no downloads in tests) does not run it.
 NOT_HERE = {
