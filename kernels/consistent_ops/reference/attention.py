@@ -84,16 +84,21 @@ def _unrows(out, q):
     return out.reshape(S, hkv, Hq // hkv, Tq, D).permute(0, 3, 1, 2, 4).reshape(S, Tq, Hq, D).to(q.dtype)
 
 
-def _attend(q, qpos, kv, scale):
+def _attend(q, qpos, kv, scale, out=None):
     """q [S, Tq, Hq, D], qpos [S, Tq] absolute positions (< seq_len); kv a _DenseKV or
-    _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype.
+    _PagedKV covering every block up to the last qpos. Returns [S, Tq, Hq, D] in q's dtype
+    (in out when given: the native walk writes it in place, the other paths copy).
     On CPU every forward (trainer and rollout, with or without autograd) is native.attend_heads;
     elsewhere the torch ops of _attend_torch."""
     if not q.is_cpu or q.dtype not in native.DTYPES or kv.k.dtype not in native.DTYPES:
-        return _attend_torch(q, qpos, kv, scale)
+        return _into(out, _attend_torch(q, qpos, kv, scale))
     if recording(q, kv.k, kv.v):
-        return _NativeAttention.apply(q, kv.k, kv.v, qpos, scale)
-    return _attend_native(q, qpos, kv, scale)
+        return _into(out, _NativeAttention.apply(q, kv.k, kv.v, qpos, scale))
+    return _attend_native(q, qpos, kv, scale, out)
+
+
+def _into(out, result):
+    return result if out is None else out.copy_(result)
 
 
 def _attend_native(q, qpos, kv, scale, out=None):
@@ -238,19 +243,12 @@ def attention_paged(q, key_cache, value_cache, block_table, seq_lens, query_star
         kv = _gathered_kv(key_cache, value_cache, layout.table, layout.seq_lens, layout.walked)
     else:
         kv = _PagedKV(key_cache, value_cache, layout)
-        native_rows = q.dtype in native.DTYPES and not recording(q, key_cache, value_cache)
-        if layout.decode and native_rows:
+        if layout.decode and q.dtype in native.DTYPES and not recording(q, key_cache, value_cache):
             return _decode(q, kv, scale, out)
-        if native_rows and layout.lens.count(layout.width) == len(layout.lens):   # rows [S, width] as they lie
-            qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
-            rows = None if out is None else out.view(qp.shape)
-            return _attend_native(qp, layout.qpos, kv, scale, rows).view(q.shape)
     qp = _pad_rows(q, layout.starts, layout.lens, layout.width)
+    if layout.lens.count(layout.width) == len(layout.lens):       # rows [S, width] as they lie, out's too
+        return _attend(qp, layout.qpos, kv, scale, None if out is None else out.view(qp.shape)).view(q.shape)
     return _into(out, _unpad_rows(_attend(qp, layout.qpos, kv, scale), layout.lens))
-
-
-def _into(out, result):
-    return result if out is None else out.copy_(result)
 
 
 def _decode(q, kv, scale, out=None):
