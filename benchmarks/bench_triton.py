@@ -433,12 +433,14 @@ def probe_decode_split():
     unsplit; bits against the default launch."""
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
-    # 2026-12-04: stages 2 / 4, warps 8 and 16- / 32-row tiles measured (RESULTS.md); the 16-row tile
-    # was fastest (B=1: 16 vs 26 us at 1k, 49 vs 92 at 32k) but other bits (mma.sync, not wgmma).
+    # 2026-12-04/05: stages 2 / 4, warps 8, 16 rows of 2 warps and 32 of 2 measured (RESULTS.md); 16
+    # rows of 4 warps were fastest (B=1: 16 vs 25 us at 1k, 50 vs 67 at 32k) but sum a row across
+    # warps (other bits); the decode tile (default here) is 16 rows of one warp, "rows 64" the
+    # forward's tile.
     # A chunk walk is a serial chain of ~1.2 us a key block: shorter KV chunks (a contract change,
     # other bits) ask how many more programs buy at decode, against a longer fold
-    variants = {"default": {}, "unsplit": dict(split=False), "rows 16": dict(tile=(16, 4, 3)),
-                "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}
+    variants = {"default": {}, "rows 64": dict(tile=(64, 4, 3)), "rows 16 w4": dict(tile=(16, 4, 3)),
+                "unsplit": dict(split=False), "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}
     for page in (16,):          # page 32 gave the same times (2026-12-04)
         for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768)):
             for width in (ctx, 40960):

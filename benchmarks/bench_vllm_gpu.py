@@ -20,7 +20,8 @@ time by how many requests were unfinished (the full batch vs its tail; StepTimes
 --tail (issue 26: the rollout's tail, few sequences with long contexts, >= 0.9x stock): per
 TAIL_CASES case (B in 1/4/16, context 1k/8k/32k tokens), B distinct random prompts of exactly that
 many tokens, generated twice with the prefix cache reset before each: max_tokens=1 (the prefill)
-and 1 + TAIL_DECODE; a decode step is their difference / TAIL_DECODE. --repeats (default 3) times
+and 1 + TAIL_DECODE; a decode step is the median wall time of the second's last TAIL_DECODE
+engine steps (their difference / TAIL_DECODE is kept beside it). --repeats (default 3) times
 a case per process; reported per case: each engine's decode ms per step, decode tokens/s (B / step
 time), prefill time (medians over every repeat of all rounds) and stock ms / plugin ms.
 
@@ -154,11 +155,12 @@ class StepTimes:
     """Wall time of the engine's steps by how many requests were unfinished when each began (the
     full batch, its middle, its tail: where one engine loses to the other), summed over the timed
     generates. Wraps the instance's step(), which LLM.generate calls once a step; engines without
-    get_num_unfinished_requests are left alone (summary empty)."""
+    get_num_unfinished_requests are left alone (summary empty). `durations` keeps each step's seconds
+    (the tail's decode steps are the last of a generate)."""
     BUCKETS = ((8, "<=8"), (64, "9-64"), (256, "65-256"), (math.inf, ">256"))
 
     def __init__(self, engine):
-        self.spent, self.engine = {}, None
+        self.spent, self.engine, self.durations = {}, None, []
         if not hasattr(engine, "get_num_unfinished_requests"):
             return
         self.engine = engine
@@ -170,8 +172,9 @@ class StepTimes:
             try:
                 return inner()
             finally:
+                self.durations.append(time.perf_counter() - t)
                 cell = self.spent.setdefault(next(name for most, name in self.BUCKETS if n <= most), [0.0, 0])
-                cell[0] += time.perf_counter() - t
+                cell[0] += self.durations[-1]
                 cell[1] += 1
         engine.step = step
 
@@ -233,19 +236,27 @@ def time_batch(llm, args, work):
 
 def time_tail(llm, engine, repeats, vocab):
     """Per TAIL_CASES case, `repeats` times: the prefill-only generate's seconds and the decode
-    ms per step (decode_ms), both generates over the same prompts from a reset prefix cache."""
-    cases = []
+    ms per step, both generates over the same prompts from a reset prefix cache. decode_ms is the
+    median of the long generate's last TAIL_DECODE engine steps (one hiccup, e.g. a compilation,
+    moves it by a step at most); decode_ms_difference the two generates' difference per step
+    (the measure before 2026-12-05, which such a hiccup in either generate skews)."""
+    cases, steps = [], StepTimes(llm.llm_engine)
     for b, ctx in TAIL_CASES:
         prompts = tail_prompts(b, ctx, vocab)
-        case = {"b": b, "ctx": ctx, "prefill_s": [], "decode_ms": []}
+        case = {"b": b, "ctx": ctx, "prefill_s": [], "decode_ms": [], "decode_ms_difference": []}
         for i in range(repeats):
             short, _ = timed(llm, engine, [(p, 1) for p in prompts])
+            steps.durations.clear()
             long, _ = timed(llm, engine, [(p, 1 + TAIL_DECODE) for p in prompts])
             case["prefill_s"].append(short)
-            case["decode_ms"].append(decode_ms(short, long))
+            case["decode_ms_difference"].append(decode_ms(short, long))
+            decode_steps = steps.durations[-TAIL_DECODE:]
+            case["decode_ms"].append(statistics.median(decode_steps) * 1e3 if len(decode_steps) == TAIL_DECODE
+                                     else case["decode_ms_difference"][-1])
             print(f"[{engine}] tail B={b} context={ctx} repeat {i + 1}/{repeats}: prefill {short:.3f} s, "
                   f"decode {case['decode_ms'][-1]:.3f} ms/step", flush=True)
         cases.append(case)
+    steps.close()
     return cases
 
 

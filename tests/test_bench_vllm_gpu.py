@@ -157,11 +157,20 @@ class _Clock:
 def test_tail_child_warms_up_then_times_prefill_and_decode_per_case(tmp_path, monkeypatch, capsys):
     """The engine process: model length for the longest case, one untimed warm-up on the smallest
     case, then per case and repeat a prefill-only and a 1 + TAIL_DECODE generate, each from a reset
-    prefix cache; on a fake clock (prefill 1 us a token, decode 4 + 0.1 B ms a step)."""
+    prefix cache; on a fake clock, one engine step a token (prefill 1 us a prompt token, decode 4 +
+    0.1 B ms a step, and one 50 ms hiccup in every decode: the steps' median ignores it, the
+    generates' difference does not)."""
     clock, vocab = _Clock(), 5000
 
+    class Engine:
+        def get_num_unfinished_requests(self):
+            return 1
+
+        def step(self):
+            clock.now += self.seconds.pop(0)
+
     class LLM:
-        calls, fresh = [], False
+        calls, fresh, llm_engine = [], False, Engine()
 
         def reset_prefix_cache(self):
             self.fresh = True
@@ -171,7 +180,10 @@ def test_tail_child_warms_up_then_times_prefill_and_decode_per_case(tmp_path, mo
             (n,) = set(params)
             assert len({tuple(p) for p in ids}) == len(ids) and max(max(p) for p in ids) < vocab
             self.calls.append((len(ids), {len(p) for p in ids}, n, self.fresh))
-            clock.now += len(ids) * len(ids[0]) * 1e-6 + (n - 1) * (4 + 0.1 * len(ids)) * 1e-3
+            decode = [(4 + 0.1 * len(ids)) * 1e-3] * (n - 1)
+            self.llm_engine.seconds = [len(ids) * len(ids[0]) * 1e-6] + [s + 0.05 * (i == 1) for i, s in enumerate(decode)]
+            for _ in range(n):
+                self.llm_engine.step()
             self.fresh = False
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * n)]) for _ in ids]
     llm, lengths = LLM(), []
@@ -193,6 +205,8 @@ def test_tail_child_warms_up_then_times_prefill_and_decode_per_case(tmp_path, mo
     for case in result["cases"]:
         assert case["prefill_s"] == pytest.approx([case["b"] * case["ctx"] * 1e-6] * 2)
         assert case["decode_ms"] == pytest.approx([4 + 0.1 * case["b"]] * 2)
+        assert case["decode_ms_difference"] == pytest.approx([4 + 0.1 * case["b"] + 50 / 256] * 2)
+    assert "step" not in vars(llm.llm_engine)                             # the step clock unwrapped
 
 
 def _tail_result(engine, i):

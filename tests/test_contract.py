@@ -37,6 +37,7 @@ def test_the_kernels_run_the_contract_tiles():
     assert moe._TILES[0] == tiles["moe"]["tiles"][0] and moe._DECODE_ROWS == tiles["moe"]["decode_rows"]
     assert moe._MID[0] == tiles["moe"]["mid"][0] and moe._MID_ROWS == tiles["moe"]["mid_rows"]
     assert (*attention._TILE, attention._STAGES) == tiles["attention"]["forward"]
+    assert attention._DECODE_TILE is tiles["attention"]["decode"]
     assert attention._DELTA_ROWS == tiles["attention"]["backward_delta_rows"]
     assert norm._ELEMENTS == tiles["rms_norm_elements"] and logprobs._BLOCK == tiles["logprob_block"]
 

@@ -77,15 +77,50 @@ ATTN_TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*f
               "Count": "*i32", "QStart": "*i32", "SeqLen": "*i32", "Table": "*i32", "qk_scale": "fp32"}
 
 
-@pytest.mark.parametrize("paged, split", [(True, True), (True, False), (False, False)],
-                         ids=["decode-split", "paged", "training"])
-def test_attention_forward_compiles_for_the_h200(paged, split):
-    """The forward kernel in its launch forms, compiled for sm_90 to a cubin on the CPU: what the
-    interpreter accepts and the GPU would not (a plain global read in a kernel, a type error) fails
-    here, before a device session (it did, 2026-12-04)."""
+def float_reductions(ir):
+    """(combining op, operand layout) of every floating-point tt.reduce in a TTGIR text."""
+    layouts = dict(re.findall(r"^(#\w+) = (#.*)$", ir, re.M))
+    found = re.findall(r'"tt\.reduce"\(.*?\^bb0\(%\w+: (\w+).*?\):\s*%\w+ = (\S+).*?\}\) : \(tensor<\S+, (#\w+)>', ir, re.S)
+    return [(op, layouts[enc]) for ty, op, enc in found if ty.startswith(("f", "bf"))]
+
+
+def attention_reductions(paged, split, rows, warps, stages):
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
     from consistent_ops.triton import attention as ta
-    rows, warps, stages = ta._TILE[0], ta._TILE[1], ta._STAGES
     const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=16 if paged else 1,
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split)
-    assert compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(), num_warps=warps, num_stages=stages).asm["cubin"]
+    asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(), num_warps=warps, num_stages=stages).asm
+    assert asm["cubin"]
+    return float_reductions(asm["ttgir"])
+
+
+@pytest.mark.parametrize("tile", ["forward", "decode"])
+@pytest.mark.parametrize("paged, split", [(True, True), (True, False), (False, False)],
+                         ids=["decode-split", "paged", "training"])
+def test_attention_forward_compiles_for_the_h200(paged, split, tile):
+    """The forward kernel in its launch forms and both tiles, compiled for sm_90 to a cubin on the
+    CPU: what the interpreter accepts and the GPU would not (a plain global read in a kernel, a type
+    error) fails here, before a device session (it did, 2026-12-04). Its float reductions, the row
+    max (exact in any order) and the row sum, keep a row inside one warp in both tiles: the forward's
+    wgmma tile puts its 4 warps on rows, the decode's 16-row tile has one warp, so a row's sum is its
+    thread's adds and its quad's shuffles in both (tests/gpu/test_triton_attention.py holds the bits)."""
+    from consistent_ops.contract import TRITON_TILES
+    found = attention_reductions(paged, split, *TRITON_TILES["attention"][tile])
+    assert sorted({op for op, _ in found}) == ["arith.addf", "arith.maxnumf"]
+    assert all(re.search(r"warpsPerCTA = \[\d+, 1\]", layout) for _, layout in found), found
+
+
+def test_a_16_row_tile_of_4_warps_sums_across_warps():
+    """Companion: 16 rows on 4 warps split a row's columns over the warps (warpsPerCTA [1, 4]): another
+    tree, the tile that gave other bits on the H200 (2026-12-04)."""
+    found = attention_reductions(True, True, 16, 4, 3)
+    assert any("warpsPerCTA = [1, 4]" in layout for op, layout in found if op == "arith.addf")
+
+
+def test_rms_norm_sums_along_its_layout():
+    """Companion: the reduction check sees a float sum where there is one (RMSNorm's)."""
+    rows, block, warps = norm._shape(128)
+    types = {"Hf": "fp32", "eps": "fp32", **{t: "*bf16" for t in RMS_TENSORS}}
+    ir = compile_h200(norm._rms_norm_kernel, types, {"HAS_RES": False, "ROWS": rows, "BLOCK": block}, RMS_STRIDES,
+                      num_warps=warps).asm["ttgir"]
+    assert [op for op, _ in float_reductions(ir)] == ["arith.addf"]

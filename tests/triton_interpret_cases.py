@@ -3,9 +3,9 @@
 The interpreter runs every kernel program in numpy, so these tests check indexing,
 masks, the KV-block walk, the tile tables and the autograd wiring against the
 reference backend; the bit-level claims on real tensor cores are the GPU suite's
-(tests/gpu/). Cross-path equalities hold here too because each path runs the same
-tile code; tile shapes that differ (decode vs prefill tiles) use numpy matmuls of
-other shapes, so those comparisons are exact only where the shapes agree.
+(tests/gpu/). Cross-path equalities hold here too: each path runs the same tile code, and
+tiles of other shapes (decode's 16 rows, prefill's 64) give an element of tl.dot from its own
+row and column alone, as an MMA does (interpreter_bf16.py).
 
 Run by test_triton_interpret.py in a fresh interpreter (see there why).
 """
@@ -119,6 +119,18 @@ def test_attention_paths_bitwise_equal(qkv, kv_chunks):
         out = c.step(q[rows], k[rows], v[rows], batch)
         got.update(zip(rows, out))
     assert torch.equal(torch.stack([got[i] for i in range(a + b)]), train)
+
+
+@pytest.mark.parametrize("tile", [(16, 1, 3), (32, 2, 3), (128, 8, 3)])
+def test_any_tile_gives_the_same_bits(qkv, tile):
+    """Tiles of other row counts (16: the decode tile) == the forward tile, bit for bit, padding
+    rows and partial tiles included (the GPU suite's test_any_tile_gives_the_same_bits holds the
+    MMAs to it)."""
+    from consistent_ops.triton import attention as ta
+    q, k, v = qkv
+    cu = _cu(LENS).to(torch.int32)
+    assert torch.equal(ta._forward(q, k, v, cu, None, None, D ** -0.5, False, tile=tile),
+                       ta._forward(q, k, v, cu, None, None, D ** -0.5, False))
 
 
 def test_kv_chunks_are_live(qkv, monkeypatch):

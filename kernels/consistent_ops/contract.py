@@ -65,6 +65,7 @@ TRITON_TILES = {
     },
     "attention": {
         "forward": (64, 4, 3),              # (rows = (token, query head) pairs, warps, stages)
+        "decode": (16, 1, 3),               # paged steps of one new token a sequence: one warp, the same bits
         "backward_dkdv": (64, 64, 4),       # (rows, keys, warps)
         "backward_stages": 2,
         "backward_dq": (4, 3),              # (warps, stages)
@@ -182,8 +183,10 @@ ACCUMULATION = {
             "fp32 times the routing weight), a 16-row tile up to 2048 (token, slot) rows, a 64-row tile up to "
             "8192 and a 128-row tile above, all giving identical bits on the H200; "
             "attention: softmax base 2, p rounded to the value dtype for contract_dot(p, v), acc*a fed as "
-            "the MMA accumulator; one forward tile (64 rows = (token, query head) pairs, 4 warps) in every "
-            "path; a tile's KV chunks folded in its program, or (small paged batches) one program per "
+            "the MMA accumulator; a row's max and sum inside one warp: 64-row tiles ((token, query head) "
+            "pairs, 4 warps: a wgmma warpgroup, a warp's 16 rows), 16-row tiles of one warp (mma.sync) for "
+            "paged steps of one token a sequence, a row held by a quad of threads in the same column order "
+            "in both; a tile's KV chunks folded in its program, or (small paged batches) one program per "
             "chunk writing fp32 states that the tile's last program to finish folds in chunk order"),
         "reductions": (
             "fp32, whole rows per program (RMSNorm packs rows of H < 2048 to 2048 elements a program), each row "

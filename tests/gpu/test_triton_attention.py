@@ -94,17 +94,43 @@ def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
     assert_rows_equal(run_schedule(qkv, steps, 16), train)
 
 
+@pytest.mark.parametrize("rows, warps", [(16, 1), (64, 4)])
 @pytest.mark.parametrize("split", [True, False])
-def test_decode_equals_train(qkv, train, split, monkeypatch):
-    """Pure decode batches (64-row tiles) for the last 8 tokens of every sequence, with one
-    program per KV chunk, the last of a tile's folding (what so small a batch gets), and without."""
+def test_decode_equals_train(qkv, train, split, rows, warps, monkeypatch):
+    """Pure decode batches (the decode tile's 16 rows, and the forward tile's 64) for the last 8
+    tokens of every sequence, with one program per KV chunk, the last of a tile's folding (what so
+    small a batch gets), and without."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "_split_programs", lambda device: (1 << 30) if split else 0)
+    monkeypatch.setattr(ta, "_DECODE_TILE", (rows, warps, 3))
     steps = [[(s, 0, n - 8) for s, n in enumerate(LENS) if n > 8]]
     steps += [[(s, n - 8 + i, n - 7 + i) for s, n in enumerate(LENS) if n > 8] for i in range(8)]
     got = run_schedule(qkv, steps, 16)
     decoded = [r for s, n in enumerate(LENS) if n > 8 for r in _rows(s, n - 8, n)]
     assert_rows_equal({r: got[r] for r in decoded}, train)
+
+
+@pytest.mark.parametrize("rows, warps", [(16, 1), (64, 4), (128, 8)])
+def test_any_tile_gives_the_same_bits(qkv, train, rows, warps):
+    """The decode's 16 rows of one warp (mma.sync) and wgmma tiles of 16 rows a warp (64 of 4, 128
+    of 8) give the training forward's bits: a row's scores and output are the same MMA steps, its
+    max and sum its thread's and its quad's (tests/test_triton_layouts.py checks the layouts).
+    32 rows of 2 warps (mma.sync) gave other bits on the H100 (2026-12-05): not a contract tile."""
+    from consistent_ops.contract import attention_scale
+    from consistent_ops.triton import attention as ta
+    q, k, v = qkv
+    out = ta._forward(q, k, v, cu_of(LENS).to(torch.int32), None, None, attention_scale(D), False,
+                      tile=(rows, warps, 3))
+    assert torch.equal(out, train)
+
+
+def test_another_kv_chunk_gives_other_bits(qkv, train):
+    """Companion: a setting the contract fixes (the KV chunk, 256 keys instead of 512) moves bits."""
+    from consistent_ops.contract import attention_scale
+    from consistent_ops.triton import attention as ta
+    q, k, v = qkv
+    out = ta._forward(q, k, v, cu_of(LENS).to(torch.int32), None, None, attention_scale(D), False, chunk=256)
+    assert not torch.equal(out, train)
 
 
 def _counters_idle():

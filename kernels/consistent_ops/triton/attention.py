@@ -8,8 +8,9 @@ order, with the contract's online-softmax update; the varlen (training) and page
 (``_block_rows``: packed K/V by TMA bulk copies on Hopper, the paged cache by pointers;
 the arithmetic is the same, so are the bits). A row's bits depend on its q, its position
 and the keys only:
-- every row sees the same instructions: every path launches the same tile (64 rows,
-  4 warps: one warpgroup's wgmma m64; a row's max/sum never leaves its warp);
+- every row sees the same instructions: its scores and output are MMAs (the same k16 steps
+  in wgmma's 64-row tiles and mma.sync's 16-row decode tiles), its max/sum never leave its
+  warp, where a quad of threads holds it in the same column order in both tiles;
 - a block a row cannot see is an exact no-op (a = exp2(0) = 1, p = exp2(-inf) = 0), so
   a tile that walks further for its later rows leaves earlier rows' bits unchanged.
 Keys come in KV chunks (contract.KV_CHUNK): the state restarts at each chunk and a tile folds
@@ -48,6 +49,12 @@ log = logging.getLogger("consistent_ops")
 # instructions the same by construction.
 _A = TRITON_TILES["attention"]
 _TILE, _STAGES = _A["forward"][:2], _A["forward"][2]
+# Decode steps (paged, one new token a sequence: G real rows a tile) take 16-row tiles of one warp
+# (a quarter of the wasted rows): a row's sum is then its thread's adds and its quad's shuffles, as
+# in a wgmma warp of the 64-row tile (4 warps on 16 rows each would sum across warps: other bits,
+# tests/test_triton_layouts.py). H100 (probe_decode_split, 2026-12-05): 67 vs 85 us a launch at
+# B=1 x 32k, 158 vs 187 at B=4 x 32k; the paged B=32 x 16k kernel at 85 % of the HBM roofline.
+_DECODE_TILE = _A["decode"]
 # Backward: the dK/dV kernel (tile: rows, keys, warps) walks every (query tile, key block)
 # pair once and also stores the pair's dS (bf16); dQ is then one matmul (dS K) over those
 # blocks in key order: 5 matmuls, no atomics, deterministic. dK/dV (64, 64, 4) holds 255
@@ -677,7 +684,9 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     tests only: the same bits either way); chunk: keys a KV chunk other than the contract's
     (probes only: other bits)."""
     g = _check(q, k.shape[-2])
-    rows, warps, stages = tile or (*_TILE, _STAGES)
+    # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens)
+    decode = paged and q.shape[0] <= len(q_start) - 1 and g <= _DECODE_TILE[0]
+    rows, warps, stages = tile or (_DECODE_TILE if decode else (*_TILE, _STAGES))
     chunk = chunk or KV_CHUNK
     if g > rows:
         raise NotImplementedError(f"{g} query heads per KV head: at most {rows}")
