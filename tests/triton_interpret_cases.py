@@ -121,7 +121,7 @@ def test_attention_paths_bitwise_equal(qkv, kv_chunks):
     assert torch.equal(torch.stack([got[i] for i in range(a + b)]), train)
 
 
-@pytest.mark.parametrize("tile", [(16, 1, 3), (32, 2, 3), (128, 8, 3)])
+@pytest.mark.parametrize("tile", [(16, 1, 3), (128, 8, 3)])
 def test_any_tile_gives_the_same_bits(qkv, tile):
     """Tiles of other row counts (16: the decode tile) == the forward tile, bit for bit, padding
     rows and partial tiles included (the GPU suite's test_any_tile_gives_the_same_bits holds the

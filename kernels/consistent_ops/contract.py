@@ -185,7 +185,7 @@ ACCUMULATION = {
             "attention: softmax base 2, p rounded to the value dtype for contract_dot(p, v), acc*a fed as "
             "the MMA accumulator; a row's max and sum inside one warp: 64-row tiles ((token, query head) "
             "pairs, 4 warps: a wgmma warpgroup, a warp's 16 rows), 16-row tiles of one warp (mma.sync) for "
-            "paged steps of one token a sequence, a row held by a quad of threads in the same column order "
+            "paged steps of one token a sequence (CUDA), a row held by a quad of threads in the same column order "
             "in both; a tile's KV chunks folded in its program, or (small paged batches) one program per "
             "chunk writing fp32 states that the tile's last program to finish folds in chunk order"),
         "reductions": (

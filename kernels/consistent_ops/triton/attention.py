@@ -684,8 +684,9 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     tests only: the same bits either way); chunk: keys a KV chunk other than the contract's
     (probes only: other bits)."""
     g = _check(q, k.shape[-2])
-    # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens)
-    decode = paged and q.shape[0] <= len(q_start) - 1 and g <= _DECODE_TILE[0]
+    # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
+    # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
+    decode = paged and q.is_cuda and q.shape[0] <= len(q_start) - 1 and g <= _DECODE_TILE[0]
     rows, warps, stages = tile or (_DECODE_TILE if decode else (*_TILE, _STAGES))
     chunk = chunk or KV_CHUNK
     if g > rows:
