@@ -30,6 +30,8 @@ time), prefill time (medians over every repeat of all rounds) and stock ms / plu
     python3 benchmarks/bench_vllm_gpu.py --model DIR --profile   # each engine's CUDA kernels, wall
                          # time and launches over the whole batch (128 tokens) and a tail (8 x 512)
     python3 benchmarks/bench_vllm_gpu.py --model DIR --tail      # decode at B 1/4/16 x context 1k/8k/32k
+    python3 benchmarks/bench_vllm_gpu.py --model DIR --tail --engines stock,plugin,sampling
+                         # + stock vLLM with the plugin's sampling path alone: what it costs a step
 """
 import argparse
 import json
@@ -43,7 +45,11 @@ import threading
 import time
 from pathlib import Path
 
-ENGINES = ("stock", "plugin")
+ENGINES = ("stock", "plugin", "sampling")
+DEFAULT_ENGINES = "stock,plugin"
+# "sampling": stock vLLM (its model, kernels and graphs) with the plugin's sampling path alone (its
+# logits processor, processed_logits mode, its request params): what that path costs a decode step
+# (2026-12-05: the plugin's steps 0.4-1.0 ms longer than stock's at B 1-4, both host-bound)
 EXIT_GRACE_S = 60          # an engine process that has sent its result and not exited by then is killed
 PROFILE_TAIL = (8, 512)    # --profile's second batch: the rollout's tail, few sequences decoding long
 # --tail's cases (B sequences, context tokens each), its decode steps and goal (issue 26)
@@ -63,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, help="timed generates per engine process (default 1; "
                    "--tail: 3 per case)")
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved")
-    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, of {', '.join(ENGINES)}")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--profile", action="store_true", help="instead of timing: each engine's top CUDA "
                    "kernels, wall time and launches (torch profiler, engine in-process) over --prompts x --n "
@@ -81,6 +87,8 @@ def parse_args(argv=None):
            if k in ("prompts", "n", "prompt_len", "max_response", "repeats", "rounds") and v < 1]
     if bad:
         problem = f"{', '.join(bad)}: use 1 or more"
+    elif not a.child and (not a.engines or set(a.engines.split(",")) - set(ENGINES)):
+        problem = f"--engines {a.engines}: name some of {', '.join(ENGINES)}"
     elif a.tail and a.profile:
         problem = "--tail with --profile: run them separately"
     elif not Path(a.model, "config.json").is_file():
@@ -122,6 +130,10 @@ def build_llm(args, engine, longest):
     if engine == "plugin":
         from true_on_policy import scheme
         kwargs.update(dtype="bfloat16", compilation_config=dict(scheme.CUDA_GRAPHS))
+    elif engine == "sampling":       # what the plugin's config hook sets (vllm/engine_config.py)
+        from true_on_policy.vllm.engine_config import LOGPROBS_MODE
+        from true_on_policy.vllm.sampling import V1_PROCESSOR
+        kwargs.update(logprobs_mode=LOGPROBS_MODE, logits_processors=[V1_PROCESSOR])
     else:
         kwargs["logprobs_mode"] = "processed_logprobs"     # log_softmax(logits / T), verl's default
     return LLM(**kwargs)
@@ -129,7 +141,7 @@ def build_llm(args, engine, longest):
 
 def params_for(engine, max_tokens):
     common = dict(max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False)
-    if engine == "plugin":
+    if engine in ("plugin", "sampling"):
         from true_on_policy.vllm.sampling import sampling_params
         return sampling_params(1.0, **common)
     from vllm import SamplingParams

@@ -61,6 +61,37 @@ def test_a_bad_count_is_refused_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == "error: --rounds 0: use 1 or more"
 
 
+def test_an_unknown_engine_is_refused_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--engines", "stock,vllm"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --engines stock,vllm: name some of stock, plugin, sampling"
+
+
+def test_the_sampling_engine_is_stock_vllm_with_the_plugins_sampling_path(tmp_path, monkeypatch):
+    """'sampling': stock's model (TRUE_ON_POLICY=0, no compilation settings) with what the plugin's
+    config hook sets for sampling (processed_logits, its logits processor) and its request params."""
+    from true_on_policy.vllm import engine_config, sampling
+    built = []
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kw: built.append(kw)))
+    bench.build_llm(SimpleNamespace(model="m", gpu_memory_utilization=0.5), "sampling", 100)
+    assert built[0]["logprobs_mode"] == engine_config.LOGPROBS_MODE == "processed_logits"
+    assert built[0]["logits_processors"] == [sampling.V1_PROCESSOR] and "compilation_config" not in built[0]
+    monkeypatch.setattr(sampling, "sampling_params", lambda t, **kw: ("plugin params", t, kw["max_tokens"]))
+    assert bench.params_for("sampling", 7) == ("plugin params", 1.0, 7)
+    envs = []
+
+    class Child:
+        stdout, returncode = iter(['@@result {"engine": "sampling"}\n']), 0
+
+        def wait(self, timeout=None):
+            return 0
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda argv, env, **k: envs.append(env) or Child())
+    (tmp_path / "config.json").write_text("{}")
+    bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--engines", "sampling"]), "sampling")
+    assert envs[0]["TRUE_ON_POLICY"] == "0"
+
+
 def test_step_times_bucket_by_unfinished_requests_and_pool_over_rounds(tmp_path, monkeypatch, capsys):
     class Engine:
         left = [300, 100, 9, 8, 1]
