@@ -151,19 +151,31 @@ def test_default_follows_the_cpu(monkeypatch):
 
 
 def test_pair_order_ftz_and_daz_decide_bits():
-    """Lane 0 holds k = 0, 1, 32, 33; each pair adds its odd product first: 2^30 (k = 1), then
-    -2^30 (k = 33), then 1 (k = 32) give 1; the two swapped, 2^30 + 1 rounds to 2^30 first: 0.
-    A product below 2^-126 is flushed (the fp32 FMA realisation keeps it), and so is a
-    denormal bf16 operand."""
-    def pair_dot(xa, xb):
-        a, b = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(64, 1, dtype=torch.bfloat16)
-        for k, x, y in zip((1, 32, 33, 0), xa, xb):
-            a[0, k], b[k, 0] = x, y
+    """The bf16 realisation's dot is ONE fp32 chain over the pairs (k, k+1) = (2j, 2j+1), j ascending,
+    each pair adding its odd product first. Pairs in order: 2^30 (k = 1), -2^30 (k = 3), then 1 (k = 2)
+    give 1, where 16 lanes of pairs (k = 0, 1 in lane 0, k = 2, 3 in lane 1) gave 0, and so would
+    the pairs taken in descending order. In a pair the odd product first: 1, then 2^24 (k = 3; 1 + 2^24
+    rounds to 2^24), then -2^24 (k = 2) give 0; even first, 1 - 2^24 is exact and the result 1. A
+    product below 2^-126 is flushed (the fp32 FMA realisation keeps it), and so is a denormal bf16
+    operand; an odd K's pad pair (+0, added first) leaves a flushed -0 as it is."""
+    def pair_dot(xa, xb, ks=(1, 32, 33, 0), k=64):
+        a, b = torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(k, 1, dtype=torch.bfloat16)
+        for i, x, y in zip(ks, xa, xb):
+            a[0, i], b[i, 0] = x, y
         return native.dot32p_matmul(a, b).item(), native.dot32_matmul(a, b).item()
+    assert pair_dot([2.0 ** 30, -(2.0 ** 30), 1.0], [1.0] * 3, ks=(1, 3, 2))[0] == 1.0
+    assert pair_dot([2.0 ** 30, 1.0, -(2.0 ** 30)], [1.0] * 3, ks=(1, 0, 3))[0] == 0.0     # 1 absorbed
+    assert pair_dot([1.0, 2.0 ** 24, -(2.0 ** 24)], [1.0] * 3, ks=(1, 3, 2))[0] == 0.0
+    assert pair_dot([1.0, -(2.0 ** 24), 2.0 ** 24], [1.0] * 3, ks=(1, 3, 2))[0] == 1.0
+    # far apart in k, still one chain: 2^30 (k = 1), -2^30 (k = 33), then 1 (k = 32): 1
     assert pair_dot([2.0 ** 30, 1.0, -(2.0 ** 30)], [1.0] * 3)[0] == 1.0
     assert pair_dot([2.0 ** 30, -(2.0 ** 30), 1.0], [1.0] * 3)[0] == 0.0
     assert pair_dot([2.0 ** -70], [2.0 ** -70]) == (0.0, 2.0 ** -140)
     assert pair_dot([2.0 ** -130], [2.0 ** 10]) == (0.0, 2.0 ** -120)
+    neg = pair_dot([-(2.0 ** -70)], [2.0 ** -70], ks=(0,), k=1)[0]
+    assert neg == 0.0 and str(neg) == "-0.0"                                  # K = 1: pad first, then -0
+    # K = 3: -0 after pair 0, the pad's +0 makes it +0, and -0 * 1 (k = 2) keeps +0 (unpadded: -0)
+    assert str(pair_dot([-(2.0 ** -70), -0.0], [2.0 ** -70, 1.0], ks=(0, 2), k=3)[0]) == "0.0"
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp64", "bf16"])

@@ -269,19 +269,21 @@ CPU_ACCUMULATION = {
     "bf16": {
         "cpu_accumulation": "bf16",
         "contract_dot": (
-            "CPU tensors, both operands bf16: k in 16 fp32 lanes of pairs, lane j holding (k, k+1) = "
-            "(32i + 2j, 32i + 2j + 1), i ascending (zero-padded to a multiple of 32), each pair as VDPBF16PS "
-            "(Intel SDM) does it: acc = ftz(fma(a[k+1], b[k+1], acc)) then acc = ftz(fma(a[k], b[k], acc)), "
-            "round to nearest even, bf16 denormal operands read as zero (DAZ), denormal results flushed to "
-            "a zero of their sign (FTZ), MXCSR not consulted, acc from +0 (reference/dot32.c dot32p); "
-            "lanes reduced by the fp32 realisation's tree; register blocks share loads, never sums; one "
-            "thread per output; CPUs without avx512_bf16 run the same steps per lane in C (same bits); "
-            "any other operand dtypes: the fp32 realisation's lanes; fp64 operands and other devices: as "
-            "the reference text"),
+            "CPU tensors, both operands bf16: each output ONE fp32 chain over the pairs (k, k+1) = (2j, 2j+1), "
+            "j = 0 .. ceil(K/2)-1 ascending (an odd K's last pair completed by a bf16 +0), from acc = +0, "
+            "each pair as one VDPBF16PS lane (Intel SDM) does it: acc = ftz(fma(a[k+1], b[k+1], acc)) then "
+            "acc = ftz(fma(a[k], b[k], acc)), round to nearest even, bf16 denormal operands read as zero "
+            "(DAZ), denormal results flushed to a zero of their sign (FTZ), MXCSR not consulted; no lane "
+            "tree (reference/dot32.c dot32p: lanes over n, B packed per call; any vector axis gives the "
+            "same bits); one thread per output; CPUs without avx512_bf16 run the same steps in C (same "
+            "bits); any other operand dtypes: the fp32 realisation's lanes; fp64 operands and other "
+            "devices: as the reference text"),
         "reductions": "as the fp32 realisation",
         "attention": (
-            "as the fp32 realisation (reference/dot32.c attend32p), except q.k of bf16 q and K in the "
-            "bf16 pair lanes above; p.v (p fp32) and the row sums of p in the fp32 lanes"),
+            "as the fp32 realisation (reference/dot32.c attend32p), except q.k of bf16 q and K in 16 "
+            "fp32 lanes of pairs, lane j holding (k, k+1) = (32i + 2j, 32i + 2j + 1), i ascending "
+            "(zero-padded to a multiple of 32), each pair the VDPBF16PS step above, acc from +0, lanes "
+            "reduced by the fp32 realisation's tree; p.v (p fp32) and the row sums of p in the fp32 lanes"),
         "silu_mul": "as the fp32 realisation",
         "moe_router": "as the fp32 realisation",
         "logprobs": "as the fp32 realisation",

@@ -71,10 +71,10 @@ class _Dot(torch.autograd.Function):
     are constant zeros, so they pass no gradient."""
 
     @staticmethod
-    def forward(ctx, a, b, rows):
+    def forward(ctx, a, b, rows, lanes):
         ctx.save_for_backward(a, b)
         ctx.rows = rows
-        return native.matmul(a, b, rows)
+        return native.matmul(a, b, rows, lanes)
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,7 +85,7 @@ class _Dot(torch.autograd.Function):
             ga = (g @ to64(b).transpose(-1, -2)).sum_to_size(a.shape).to(a.dtype)
         if ctx.needs_input_grad[1]:
             gb = (to64(a).transpose(-1, -2) @ g).sum_to_size(b.shape).to(b.dtype)
-        return ga, gb, None
+        return ga, gb, None, None
 
 
 def _first_rows(x, rows):
@@ -93,17 +93,18 @@ def _first_rows(x, rows):
     return x * (torch.arange(x.shape[-2], device=x.device) < rows[:, None])[..., None]
 
 
-def matmul32(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
+def matmul32(a: torch.Tensor, b: torch.Tensor, rows=None, lanes=False) -> torch.Tensor:
     """a @ b -> fp32: on CPU the native kernel's fixed order (native.matmul); elsewhere fp64
     BLAS rounded once (the same bits whenever the fp64 sum is exact).
     rows [E] (a 3-D a of E entries): only the first rows[e] rows of entry e are computed,
-    the others are 0 (padded MoE groups; on CPU an empty expert costs nothing)."""
+    the others are 0 (padded MoE groups; on CPU an empty expert costs nothing).
+    lanes: on CPU the fp32 realisation's lanes in the bf16 realisation too (native.matmul)."""
     if not a.is_cpu:
         out = torch.matmul(to64(a), to64(b)).float()
         return out if rows is None else _first_rows(out, rows)
     if recording(a, b):
-        return _Dot.apply(a, b, rows)
-    return native.matmul(a, b, rows)
+        return _Dot.apply(a, b, rows, lanes)
+    return native.matmul(a, b, rows, lanes)
 
 
 def sum32(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:

@@ -340,25 +340,184 @@ static void copy_bf16(const uint16_t *src, int64_t n, int64_t s, int64_t kp, uin
     memset(dst + n, 0, (size_t)(kp - n) * 2);
 }
 
-/* dot32 for two BF16 operands in the pair order. Rows read in place where k is contiguous and
- * K a multiple of PAIR_K (weights, activations), else copied and padded. solo: on the calling
- * thread alone (a fused call's chunk, its threads already busy), else large blocks split their
- * columns over the threads. */
+/* The "bf16" realisation's linear contraction (dot32p, the MoE experts): the k-serial pair chain
+ * (contract.py CPU_ACCUMULATION["bf16"]). out[m, n] is ONE fp32 chain over the pairs j = 0 .. K2-1,
+ * K2 = ceil(K / 2) (an odd K's last pair completed by a bf16 +0), in ascending j, from c = +0:
+ * c = ftz(fma(a[2j+1], b[2j+1], c)), then c = ftz(fma(a[2j], b[2j], c)) (one VDPBF16PS lane: DAZ
+ * operands, FTZ results, RNE), no tree. Every output being the same chain, the vector axis is free:
+ * here 16 lanes over n (B packed per call into panels of 16 columns, each pair of a column one 32-bit
+ * word, a row's pair broadcast to the 16 lanes); pair16's C emulation gives the same bits per lane. */
+enum { CHAIN_COLS = 16, CHAIN_PACK = 1 << 18 };   /* panel width; B packed at a time: 256 KiB (L2) */
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static inline p32 bcast_pair(const uint16_t *p) { int32_t w; memcpy(&w, p, 4); return (__m512bh)_mm512_set1_epi32(w); }
+#else
+static inline p32 bcast_pair(const uint16_t *p) {
+    p32 r;
+    for (int j = 0; j < LANES; j++) { r.v[2 * j] = p[0]; r.v[2 * j + 1] = p[1]; }
+    return r;
+}
+#endif
+
+/* The first n (< 16) lanes of a at p. */
+static inline void store16n(float *p, v16 a, int64_t n) {
+#if defined(__AVX512F__)
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a.v);
+#else
+    float l[LANES];
+    store16(l, a);
+    memcpy(p, l, (size_t)n * sizeof(float));
+#endif
+}
+
+#if defined(__AVX512F__)
+/* r[c][i] = r_in[i][c]: a 16 x 16 transpose of 32-bit words (in-lane 4 x 4 steps, then the 128-bit quarters). */
+static inline void transpose16x16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int g = 0; g < 4; g++) {
+        const __m512i *x = r + 4 * g;
+        t[4 * g] = _mm512_unpacklo_epi32(x[0], x[1]); t[4 * g + 1] = _mm512_unpackhi_epi32(x[0], x[1]);
+        t[4 * g + 2] = _mm512_unpacklo_epi32(x[2], x[3]); t[4 * g + 3] = _mm512_unpackhi_epi32(x[2], x[3]);
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);       /* quarter q: column 4q, rows 4g .. 4g+3 */
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);   /* column 4q + 1 */
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i vlo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), vhi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i wlo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), whi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(vlo, wlo, 0x88);        /* column c: quarter 0 of each group */
+        r[4 + c] = _mm512_shuffle_i32x4(vlo, wlo, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(vhi, whi, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(vhi, whi, 0xDD);
+    }
+}
+#endif
+
+/* B columns 0 .. nr-1 (element (n, k) at B + n*sn + k*sk) as chain panels: panel p holds columns
+ * 16p + l (l < 16), pair j at dst[(p * K2 + j) * 16 + l] = b[n, 2j] | b[n, 2j+1] << 16, zeros past K
+ * and past nr. */
+static void pack_panels(const uint16_t *B, int64_t sn, int64_t sk, int64_t nr, int64_t K, int64_t K2, uint32_t *dst) {
+    for (int64_t p = 0; p * CHAIN_COLS < nr; p++) {
+        uint32_t *pd = dst + p * K2 * CHAIN_COLS;
+        const uint16_t *bp = B + p * CHAIN_COLS * sn;
+        const int64_t nc = nr - p * CHAIN_COLS < CHAIN_COLS ? nr - p * CHAIN_COLS : CHAIN_COLS;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        if (sk == 1 && nc == CHAIN_COLS)
+            for (; j + 16 <= K / 2; j += 16) {
+                __m512i r[16];
+                for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512(bp + l * sn + 2 * j);
+                transpose16x16(r);
+                for (int t = 0; t < 16; t++) _mm512_storeu_si512(pd + (j + t) * CHAIN_COLS, r[t]);
+            }
+#endif
+        for (; j < K2; j++)
+            for (int64_t l = 0; l < CHAIN_COLS; l++) {
+                uint32_t w = 0;
+                if (l < nc) {
+                    const uint16_t *e = bp + l * sn + 2 * j * sk;
+                    w = (uint32_t)e[0] | (2 * j + 1 < K ? (uint32_t)e[sk] << 16 : 0u);
+                }
+                pd[j * CHAIN_COLS + l] = w;
+            }
+    }
+}
+
+/* The chains of R rows of A (row i's pairs at a + i * lda) and Z panels from pk (panel stride ps words):
+ * out[i * ldo + 16z + l] for the first nc columns. R x Z accumulators in registers, each its own chain. */
+static inline __attribute__((always_inline)) void chain_tile(const int R, const int Z, const uint16_t *a, int64_t lda,
+                                                             const uint32_t *pk, int64_t ps, int64_t K2, float *out,
+                                                             int64_t ldo, int64_t nc) {
+    v16 c[12][8];
+#pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int z = 0; z < Z; z++) c[r][z] = zero16();
+    for (int64_t j = 0; j < K2; j++) {
+        p32 y[8];
+#pragma GCC unroll 8
+        for (int z = 0; z < Z; z++) y[z] = load_pairs((const uint16_t *)(pk + z * ps + j * CHAIN_COLS));
+#pragma GCC unroll 12
+        for (int r = 0; r < R; r++) {
+            const p32 x = bcast_pair(a + r * lda + 2 * j);
+#pragma GCC unroll 8
+            for (int z = 0; z < Z; z++) c[r][z] = pair16(x, y[z], c[r][z]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int z = 0; z < Z; z++) {
+            const int64_t n = nc - z * CHAIN_COLS;
+            if (n >= CHAIN_COLS) store16(out + r * ldo + z * CHAIN_COLS, c[r][z]);
+            else if (n > 0) store16n(out + r * ldo + z * CHAIN_COLS, c[r][z], n);
+        }
+}
+
+/* R rows against every panel of nc columns: Z panels a tile (Z x R accumulators), fewer for the last. */
+static inline __attribute__((always_inline)) void chain_row_block(const int R, const int Z, const uint16_t *a, int64_t lda,
+                                                                  const uint32_t *pk, int64_t K2, int64_t nc, float *out,
+                                                                  int64_t ldo) {
+    const int64_t ps = K2 * CHAIN_COLS;
+    int64_t n = 0;
+    for (; n + Z * CHAIN_COLS <= nc; n += Z * CHAIN_COLS) chain_tile(R, Z, a, lda, pk + n * K2, ps, K2, out + n, ldo, Z * CHAIN_COLS);
+    for (; n + 2 * CHAIN_COLS < nc + CHAIN_COLS && Z > 2; n += 2 * CHAIN_COLS)
+        chain_tile(R, Z > 2 ? 2 : 1, a, lda, pk + n * K2, ps, K2, out + n, ldo, nc - n);
+    for (; n < nc; n += CHAIN_COLS) chain_tile(R, 1, a, lda, pk + n * K2, ps, K2, out + n, ldo, nc - n);
+}
+
+/* The row blocks' shapes: 12 rows x 2 panels (24 accumulators), fewer rows across more panels. */
+static void chain_rows_r(int R, const uint16_t *a, int64_t lda, const uint32_t *pk, int64_t K2, int64_t nc, float *out, int64_t ldo) {
+    switch (R) {
+    case 1: chain_row_block(1, 8, a, lda, pk, K2, nc, out, ldo); break;
+    case 2: chain_row_block(2, 6, a, lda, pk, K2, nc, out, ldo); break;
+    case 3: chain_row_block(3, 4, a, lda, pk, K2, nc, out, ldo); break;
+    case 4: chain_row_block(4, 4, a, lda, pk, K2, nc, out, ldo); break;
+    case 5: chain_row_block(5, 3, a, lda, pk, K2, nc, out, ldo); break;
+    case 6: chain_row_block(6, 3, a, lda, pk, K2, nc, out, ldo); break;
+    case 7: chain_row_block(7, 3, a, lda, pk, K2, nc, out, ldo); break;
+    case 8: chain_row_block(8, 3, a, lda, pk, K2, nc, out, ldo); break;
+    case 9: chain_row_block(9, 2, a, lda, pk, K2, nc, out, ldo); break;
+    case 10: chain_row_block(10, 2, a, lda, pk, K2, nc, out, ldo); break;
+    case 11: chain_row_block(11, 2, a, lda, pk, K2, nc, out, ldo); break;
+    default: chain_row_block(12, 2, a, lda, pk, K2, nc, out, ldo); break;
+    }
+}
+
+enum { CHAIN_ROWS = 12 };
+
+/* out[i * ldo + n] = the chain of A row i and packed column n, i < mr, n < nc (panels at pk). A rows at
+ * a + i * sm, k stride sk; direct (sk == 1, K even): read in place, else copied (zero padded to 2 * K2)
+ * into the calling thread's scratch slot 1 a row block at a time. Returns 0, or -1 when out of memory. */
+static int chain_rows(const uint16_t *a, int64_t sm, int64_t sk, int direct, int64_t mr, int64_t K, const uint32_t *pk,
+                      int64_t K2, int64_t nc, float *out, int64_t ldo) {
+    uint16_t *ab = direct ? NULL : scratch_slot(1, (size_t)(CHAIN_ROWS * 2 * K2 + 32) * 2);
+    if (!direct && !ab) return -1;
+    for (int64_t i = 0; i < mr; i += CHAIN_ROWS) {
+        const int64_t R = mr - i < CHAIN_ROWS ? mr - i : CHAIN_ROWS;
+        const uint16_t *ar = a + i * sm;
+        if (!direct)
+            for (int64_t r = 0; r < R; r++) copy_bf16(a + (i + r) * sm, K, sk, 2 * K2, ab + r * 2 * K2);
+        chain_rows_r((int)R, direct ? ar : ab, direct ? sm : 2 * K2, pk, K2, nc, out + i * ldo, ldo);
+    }
+    return 0;
+}
+
+/* dot32 for two BF16 operands in the chain order. B packed per call, CHAIN_PACK bytes of columns at a
+ * time; A rows read in place where k is contiguous and K even, else copied. solo: on the calling thread
+ * alone (a fused call's chunk, its threads already busy), else large blocks split whole panels of
+ * columns over the threads (each packs its own panels, then runs them over all rows). */
 static int dot_pairs(int solo, const int64_t *shape, const char *A, const int64_t *sa, const char *B, const int64_t *sb,
                      const int64_t *mlen, float *out) {
-    const int64_t M = shape[3], N = shape[4], K = shape[5];
-    const int64_t kp = (K + PAIR_K - 1) / PAIR_K * PAIR_K;
-    const int a_direct = sa[4] == 1 && kp == K, b_direct = sb[4] == 1 && kp == K;
-    int64_t mb = kp ? 2 * ABUF_FLOATS / kp : M;
-    mb = mb < 2 ? 2 : mb > M ? M : mb;
-    int64_t nb = N * kp <= 2 * BFULL_FLOATS ? N : (2 * BBUF_FLOATS / kp) / PAIR_COLS * PAIR_COLS;
-    if (nb < PAIR_COLS) nb = PAIR_COLS;
-    const int64_t nbp = (nb + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS;
-    char *buf = scratch_bytes((size_t)((a_direct ? 0 : mb * kp) + (b_direct ? 0 : nbp * kp) + PAIR_K) * 2
-                              + (size_t)nbp * sizeof(void *));
-    if (!buf) return -1;
-    const uint16_t **brow = (const uint16_t **)buf;
-    uint16_t *abuf = (uint16_t *)(buf + nbp * sizeof(void *)), *bbuf = abuf + (a_direct ? 0 : mb * kp);
+    const int64_t M = shape[3], N = shape[4], K = shape[5], K2 = (K + 1) / 2;
+    const int a_direct = sa[4] == 1 && K % 2 == 0;
+    int64_t nb = (CHAIN_PACK / 4 / (K2 ? K2 : 1)) / CHAIN_COLS * CHAIN_COLS;
+    const int64_t n16 = (N + CHAIN_COLS - 1) / CHAIN_COLS * CHAIN_COLS;
+    nb = nb < CHAIN_COLS ? CHAIN_COLS : nb > n16 ? n16 : nb;
+    uint32_t *pk = scratch_bytes((size_t)(nb * K2 + 16) * 4);
+    if (!pk) return -1;
+    int fail = 0;
     int64_t b = 0;
     for (int64_t b0 = 0; b0 < shape[0]; b0++)
     for (int64_t b1 = 0; b1 < shape[1]; b1++)
@@ -370,34 +529,19 @@ static int dot_pairs(int solo, const int64_t *shape, const char *A, const int64_
         memset(ob + rows * N, 0, (size_t)((M - rows) * N) * sizeof(float));
         for (int64_t n0 = 0; n0 < N && rows; n0 += nb) {
             const int64_t nr = N - n0 < nb ? N - n0 : nb;
-            for (int64_t j = 0; j < (nr + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; j++) {
-                const int64_t n = n0 + (j < nr ? j : 0);          /* pad rows: any row, never stored */
-                if (b_direct) brow[j] = Bb + n * sb[3];
-                else if (sb[3] != 1 || sb[4] == 1 || j >= nr) {
-                    copy_bf16(Bb + n * sb[3], K, sb[4], kp, bbuf + j * kp);
-                    brow[j] = bbuf + j * kp;
-                } else {                                          /* contiguous in n: k runs transposed */
-                    for (int64_t k = 0; k < K; k++) bbuf[j * kp + k] = Bb[n + k * sb[4]];
-                    memset(bbuf + j * kp + K, 0, (size_t)(kp - K) * 2);
-                    brow[j] = bbuf + j * kp;
-                }
-            }
-            for (int64_t m0 = 0; m0 < rows; m0 += mb) {
-                const int64_t mr = rows - m0 < mb ? rows - m0 : mb;
-                if (!a_direct)
-                    for (int64_t i = 0; i < mr; i++) copy_bf16(Ab + (m0 + i) * sa[3], K, sa[4], kp, abuf + i * kp);
-                const uint16_t *ab = a_direct ? Ab + m0 * sa[3] : abuf;
-                const int nt = solo ? 1 : threads_for((double)mr * nr * kp);
-#pragma omp parallel num_threads(nt) if (nt > 1)
-                {
-                    int64_t lo, hi;
-                    share(nr, PAIR_COLS, &lo, &hi);   /* whole register blocks of columns */
-                    if (hi > lo) block_pairs(ab, a_direct ? sa[3] : kp, mr, brow + lo, hi - lo, kp, ob + m0 * N + n0 + lo, N);
+            const int nt = solo ? 1 : threads_for((double)rows * nr * K);
+#pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : fail)
+            {
+                int64_t lo, hi;
+                share(nr, CHAIN_COLS, &lo, &hi);   /* whole panels of columns */
+                if (hi > lo) {
+                    pack_panels(Bb + (n0 + lo) * sb[3], sb[3], sb[4], hi - lo, K, K2, pk + lo * K2);
+                    fail |= chain_rows(Ab, sa[3], sa[4], a_direct, rows, K, pk + lo * K2, K2, hi - lo, ob + n0 + lo, N);
                 }
             }
         }
     }
-    return 0;
+    return fail ? -1 : 0;
 }
 
 /* The batched contraction of dot64.c (same arguments: shape {nb0, nb1, nb2, M, N, K}, A
@@ -939,28 +1083,21 @@ static void operand_row(int pairs, int dt, const char *src, int64_t K, int64_t k
     memset((char *)dst + have * es, 0, (size_t)((kp - have) * es));
 }
 
-/* An expert's n weight rows of K (element (j, k) at base + j*sn + k*sk) for moe_block: pairs, a pointer
- * per row (n rounded up to PAIR_COLS, pad pointers at row 0), rows in place where dot_pairs reads them in
- * place (k contiguous, K == kp), else copied padded into buf; fp32, the rows widened into buf
- * (widen_b32: dot32's B). Once per expert and call, not per chunk of its rows. */
+/* An expert's n weight rows of K (element (j, k) at base + j*sn + k*sk) for moe_block: pairs, packed
+ * into chain panels in buf (pack_panels: dot_pairs' B); fp32, the rows widened into buf (widen_b32:
+ * dot32's B). Once per expert and call, not per chunk of its rows. */
 static void expert_rows(int pairs, int dt, const char *base, int64_t sn, int64_t sk, int64_t n, int64_t K, int64_t kp,
-                        void *buf, const uint16_t **ptr) {
-    if (!pairs) { widen_b32(base, dt, sn, sk, 0, n, K, kp, buf); return; }
-    for (int64_t j = 0; j < (n + PAIR_COLS - 1) / PAIR_COLS * PAIR_COLS; j++) {
-        const uint16_t *row = (const uint16_t *)base + (j < n ? j : 0) * sn;
-        if (sk == 1 && K == kp) { ptr[j] = row; continue; }
-        uint16_t *copy = (uint16_t *)buf + j * kp;
-        copy_bf16(row, K, sk, kp, copy);
-        ptr[j] = copy;
-    }
+                        void *buf) {
+    if (pairs) pack_panels((const uint16_t *)base, sn, sk, n, K, (K + 1) / 2, buf);
+    else widen_b32(base, dt, sn, sk, 0, n, K, kp, buf);
 }
 
-/* out [mr, nr] (contiguous) = the dots of mr operand rows a (row stride lda elements) with an expert's
- * rows (expert_rows: ptr for pairs, w for fp32): the kernels dot32p / dot32 run on the same rows, so
+/* out [mr, nr] (contiguous) = the dots of mr operand rows a (row stride lda elements, zero padded
+ * past K) with an expert's rows (expert_rows): the kernels dot32p / dot32 run on the same rows, so
  * their bits. */
-static void moe_block(int pairs, const void *a, int64_t lda, int64_t mr, const uint16_t *const *ptr,
-                      const float *w, int64_t nr, int64_t kp, float *out) {
-    if (pairs) block_pairs(a, lda, mr, ptr, nr, kp, out, nr);
+static void moe_block(int pairs, const void *a, int64_t lda, int64_t mr, const void *w, int64_t nr, int64_t K,
+                      int64_t kp, float *out) {
+    if (pairs) chain_rows(a, lda, 1, 1, mr, K, w, (K + 1) / 2, nr, out, nr);
     else block32(a, mr, w, nr, kp, out, nr);
 }
 
@@ -1002,14 +1139,12 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
     const int nt = threads_for((double)TK * 3 * I * H);
     const int64_t rows = most < FUSED_ROWS ? most : FUSED_ROWS;   /* an expert's pairs in chunks of rows */
     /* Per thread (its scratch slot 0, kept between calls): x and h operand rows, fp32 dots, gu and h in dt,
-     * SiLU's row, the expert's weights (pointers + copies, or widened). Rows rounded up to 4: a chunk of
-     * 4r + 3 pairs runs as r + 1 whole register blocks of block_pairs, the pad row zeros and dropped (a
-     * lone row costs about half of a 4-row block there, a block of 3 three quarters more). Weight rows
-     * rounded up to 12: both kernels' register blocks (PAIR_COLS pair columns, 3 fp32 columns). */
-    const int64_t r4 = (rows + 3) / 4 * 4, wide = 2 * I > H ? 2 * I : H, ng = (2 * I + 11) / 12 * 12, nd = (H + 11) / 12 * 12;
+     * SiLU's row, the expert's weights (chain panels, or widened). Weight rows rounded up to 48: both
+     * kernels' column groups (16-column pair panels, 3 fp32 columns); a panel's pairs take kh * 2 bytes
+     * a column at most. */
+    const int64_t r4 = (rows + 3) / 4 * 4, wide = 2 * I > H ? 2 * I : H, ng = (2 * I + 47) / 48 * 48, nd = (H + 47) / 48 * 48;
     const size_t part[8] = {(size_t)(r4 * kh * es), (size_t)(r4 * ki * es), (size_t)(r4 * wide) * 4, (size_t)(r4 * 2 * I * e),
-                            (size_t)(r4 * I * e), (size_t)(2 * I) * 4, (size_t)(ng * kh + nd * ki) * es,
-                            (size_t)(ng + nd) * sizeof(void *)};
+                            (size_t)(r4 * I * e), (size_t)(2 * I) * 4, (size_t)(ng * kh + nd * ki) * es, 64};
     size_t total = 0;
     for (int i = 0; i < 8; i++) total += (part[i] + 63) / 64 * 64;
     if (!rc)
@@ -1019,28 +1154,27 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
     for (int i = 1; i < 8 && buf[0]; i++) buf[i] = buf[i - 1] + (part[i - 1] + 63) / 64 * 64;
     char *xa = buf[0], *ha = buf[1], *gd = buf[3], *h = buf[4];
     float *acc = (float *)buf[2], *g = (float *)buf[5];
-    const uint16_t **gp = (const uint16_t **)buf[7], **dp = gp + ng;
     int64_t lo, hi;
     share(TK, 1, &lo, &hi);
     rc |= buf[0] ? 0 : -1;
     for (int64_t le = 0; le < ne && !rc; le++) {
         if (start[le + 1] == start[le] || start[le] < lo || start[le] >= hi) continue;
-        expert_rows(pairs, dt, gu + le * sgu[0] * e, sgu[1], sgu[2], 2 * I, H, kh, buf[6], gp);
-        expert_rows(pairs, dt, dn + le * sdn[0] * e, sdn[1], sdn[2], H, I, ki, buf[6] + ng * kh * es, dp);
-        const float *gw = (const float *)buf[6], *dw = gw + ng * kh;
+        expert_rows(pairs, dt, gu + le * sgu[0] * e, sgu[1], sgu[2], 2 * I, H, kh, buf[6]);
+        expert_rows(pairs, dt, dn + le * sdn[0] * e, sdn[1], sdn[2], H, I, ki, buf[6] + ng * kh * es);
+        const char *gw = buf[6], *dw = gw + ng * kh * es;
         for (int64_t i0 = start[le]; i0 < start[le + 1]; i0 += rows) {
             const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
-            const int64_t m = pairs && n % 4 == 3 ? n + 1 : n;   /* rows computed */
+            const int64_t m = n;   /* rows computed */
             for (int64_t i = 0; i < m; i++)
                 operand_row(pairs, dt, i < n ? x + (pl[i] / k) * sx * e : NULL, H, kh, xa + i * kh * es);
-            moe_block(pairs, xa, kh, m, gp, gw, 2 * I, kh, acc);
+            moe_block(pairs, xa, kh, m, gw, 2 * I, H, kh, acc);
             round_rows(acc, dt, n * 2 * I, gd);                                               /* gu in dt */
             if (dt == BF16) silu_rows_dt(n, I, BF16, gd, 2 * I, gd + I * e, 2 * I, h, g);
             else silu_rows_dt(n, I, F32, gd, 2 * I, gd + I * e, 2 * I, h, g);
             const int direct = pairs && ki == I;                           /* h rows are the operand rows */
             for (int64_t i = direct ? n : 0; i < m; i++)
                 operand_row(pairs, dt, i < n ? h + i * I * e : NULL, I, ki, (direct ? h : ha) + i * ki * es);
-            moe_block(pairs, direct ? h : ha, ki, m, dp, dw, H, ki, acc);
+            moe_block(pairs, direct ? h : ha, ki, m, dw, H, I, ki, acc);
             for (int64_t i = 0; i < n; i++)
                 for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = acc[i * H + c] * wts[pl[i]];
         }

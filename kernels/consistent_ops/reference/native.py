@@ -204,10 +204,12 @@ def dot32p_matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
     return _matmul(a, b, rows, "32p")
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, rows=None) -> torch.Tensor:
-    """The contraction of this process's accumulation() (fp64 operands: dot64)."""
+def matmul(a: torch.Tensor, b: torch.Tensor, rows=None, lanes=False) -> torch.Tensor:
+    """The contraction of this process's accumulation() (fp64 operands: dot64). lanes: the fp32
+    realisation's lanes in the bf16 realisation too (its reductions: RMSNorm's sum of squares)."""
     a, b = _operand(a), _operand(b)
-    return _matmul(a, b, rows, _kernel(a, b))
+    kernel = _kernel(a, b)
+    return _matmul(a, b, rows, "32" if lanes and kernel == "32p" else kernel)
 
 
 def _matmul(a, b, rows, kernel):

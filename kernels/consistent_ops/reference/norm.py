@@ -17,7 +17,8 @@ def _native(x, residual, weight):
 def rms_norm(x, weight, eps):
     if _native(x, None, weight):
         return native.rms_norm(x, weight, eps)
-    var = matmul32(x.unsqueeze(-2), x.unsqueeze(-1)).squeeze(-1) / x.shape[-1]   # contract dot(x, x)
+    # contract dot(x, x) in the fp32 lanes (the bf16 realisation's reductions too, as native.rms_norm)
+    var = matmul32(x.unsqueeze(-2), x.unsqueeze(-1), lanes=True).squeeze(-1) / x.shape[-1]
     y = (x.float() * inv_sqrt32(var + eps)).to(x.dtype)
     return y * weight.to(x.dtype)
 
