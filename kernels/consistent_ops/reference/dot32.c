@@ -225,13 +225,14 @@ static void widen_b32(const char *base, int dt, int64_t sn, int64_t sk, int64_t 
     }
 }
 
-/* The "bf16" realisation's order (contract.py CPU_ACCUMULATION["bf16"]) for two BF16 operands:
- * 16 fp32 lanes, lane j holding the pairs (k, k+1) = (32i + 2j, 32i + 2j + 1), i ascending
- * (k zero-padded to a multiple of 32), each pair as VDPBF16PS does it (Intel SDM; checked bit
- * for bit on 20M random and adversarial inputs on an AMD Zen 4): acc = ftz(fma(a[k+1], b[k+1],
- * acc)), then acc = ftz(fma(a[k], b[k], acc)), RNE, bf16 denormal inputs read as 0 (DAZ), a
- * denormal result flushed to a zero of its sign (FTZ), MXCSR not consulted; acc from +0; then
- * the lane tree of finish16. Without AVX512_BF16 the same steps run per lane in C (pair16). */
+/* The "bf16" realisation's pair step (contract.py CPU_ACCUMULATION["bf16"]), as VDPBF16PS does it
+ * per fp32 lane (Intel SDM; checked bit for bit on 20M random and adversarial inputs on an AMD
+ * Zen 4): acc = ftz(fma(a[k+1], b[k+1], acc)), then acc = ftz(fma(a[k], b[k], acc)), RNE, bf16
+ * denormal inputs read as 0 (DAZ), a denormal result flushed to a zero of its sign (FTZ), MXCSR not
+ * consulted. Its attention q.k (block_pairs): 16 fp32 lanes, lane j holding the pairs (k, k+1) =
+ * (32i + 2j, 32i + 2j + 1), i ascending (k zero-padded to a multiple of 32), acc from +0, then the
+ * lane tree of finish16. Its linear contraction: the pair chain (dot_pairs, below). Without
+ * AVX512_BF16 the same steps run per lane in C (pair16). */
 static inline float daz_bf16(uint16_t h) { return (h & 0x7F80) ? bf16_to_float(h) : 0.0f * bf16_to_float(h); }
 static inline float ftz32(float x) { return fabsf(x) < 0x1p-126f ? copysignf(0.0f, x) : x; }
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -273,7 +274,7 @@ int dot32_isa(void) {
 
 enum { PAIR_K = 2 * LANES, PAIR_COLS = 4 };   /* register blocks: 4 rows x PAIR_COLS columns */
 
-/* block32 in the pair order (register blocks of 4 x 4 outputs: each 32 k, the block's 4 A rows
+/* block32 in the attention's pair lanes (register blocks of 4 x 4 outputs: each 32 k, the block's 4 A rows
  * and 4 B rows are loaded once each, into registers, for its 16 VDPBF16PS): rows of kp (a multiple
  * of PAIR_K) bf16 values, a row i of A at a + i * lda, a row j of B at b[j] (nr rows, b holds nr
  * rounded up to PAIR_COLS). */
@@ -371,25 +372,28 @@ static inline void store16n(float *p, v16 a, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-/* r[c][i] = r_in[i][c]: a 16 x 16 transpose of 32-bit words (in-lane 4 x 4 steps, then the 128-bit quarters). */
-static inline void transpose16x16(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int g = 0; g < 4; g++) {
-        const __m512i *x = r + 4 * g;
-        t[4 * g] = _mm512_unpacklo_epi32(x[0], x[1]); t[4 * g + 1] = _mm512_unpackhi_epi32(x[0], x[1]);
-        t[4 * g + 2] = _mm512_unpacklo_epi32(x[2], x[3]); t[4 * g + 3] = _mm512_unpackhi_epi32(x[2], x[3]);
-        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);       /* quarter q: column 4q, rows 4g .. 4g+3 */
-        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);   /* column 4q + 1 */
-        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i vlo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), vhi = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i wlo = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), whi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(vlo, wlo, 0x88);        /* column c: quarter 0 of each group */
-        r[4 + c] = _mm512_shuffle_i32x4(vlo, wlo, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(vhi, whi, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(vhi, whi, 0xDD);
+/* Pairs j .. j+15 of the 16 columns at bp (column l at bp + l * sn) into a panel's rows j .. j+15 (pd: the
+ * panel): for each quarter q (pairs j + 4q ..), x[i] holds in its 128-bit quarter g column 4g + i's four
+ * pairs (one plain and three merge-masked 128-bit broadcast loads: the cross-quarter moves done by the
+ * load unit), then an in-lane 4 x 4 transpose of x[0..3] (8 shuffles) gives pair j + 4q + c of all 16
+ * columns in one register: 32 shuffles a 16 x 16 block instead of 64. */
+static inline void pack16x16(const uint16_t *bp, int64_t sn, int64_t j, uint32_t *pd) {
+    for (int q = 0; q < 4; q++) {
+        __m512i x[4];
+        for (int i = 0; i < 4; i++) {
+            const uint16_t *p = bp + i * sn + 2 * j + 8 * q;
+            __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+            v = _mm512_mask_broadcast_i32x4(v, 0x00F0, _mm_loadu_si128((const __m128i *)(p + 4 * sn)));
+            v = _mm512_mask_broadcast_i32x4(v, 0x0F00, _mm_loadu_si128((const __m128i *)(p + 8 * sn)));
+            x[i] = _mm512_mask_broadcast_i32x4(v, 0xF000, _mm_loadu_si128((const __m128i *)(p + 12 * sn)));
+        }
+        const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+        uint32_t *o = pd + (j + 4 * q) * CHAIN_COLS;
+        _mm512_storeu_si512(o, _mm512_unpacklo_epi64(t0, t2));
+        _mm512_storeu_si512(o + CHAIN_COLS, _mm512_unpackhi_epi64(t0, t2));
+        _mm512_storeu_si512(o + 2 * CHAIN_COLS, _mm512_unpacklo_epi64(t1, t3));
+        _mm512_storeu_si512(o + 3 * CHAIN_COLS, _mm512_unpackhi_epi64(t1, t3));
     }
 }
 #endif
@@ -405,12 +409,7 @@ static void pack_panels(const uint16_t *B, int64_t sn, int64_t sk, int64_t nr, i
         int64_t j = 0;
 #if defined(__AVX512F__)
         if (sk == 1 && nc == CHAIN_COLS)
-            for (; j + 16 <= K / 2; j += 16) {
-                __m512i r[16];
-                for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512(bp + l * sn + 2 * j);
-                transpose16x16(r);
-                for (int t = 0; t < 16; t++) _mm512_storeu_si512(pd + (j + t) * CHAIN_COLS, r[t]);
-            }
+            for (; j + 16 <= K / 2; j += 16) pack16x16(bp, sn, j, pd);
 #endif
         for (; j < K2; j++)
             for (int64_t l = 0; l < CHAIN_COLS; l++) {
@@ -504,6 +503,94 @@ static int chain_rows(const uint16_t *a, int64_t sm, int64_t sk, int direct, int
     return 0;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* Few rows (decode, a MoE expert's few pairs): B's pairs transposed in registers as the chain uses
+ * them, no packed copy (packing costs two passes over B, more than these rows' arithmetic). The same
+ * steps as chain_tile on the panels pack_panels would make, so the same bits. R rows of A, Z panels of
+ * 16 whole columns at b (column l at b + l * sn, k contiguous), K2 a multiple of 16. */
+static inline __attribute__((always_inline)) void direct_tile(const int R, const int Z, const uint16_t *a, int64_t lda,
+                                                              const uint16_t *b, int64_t sn, int64_t K2, float *out,
+                                                              int64_t ldo) {
+    v16 c[8][4];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int z = 0; z < Z; z++) c[r][z] = zero16();
+    for (int64_t j = 0; j < K2; j += 16)
+        for (int q = 0; q < 4; q++) {
+            p32 y[4][4];
+#pragma GCC unroll 4
+            for (int z = 0; z < Z; z++) {
+                __m512i x[4];
+                for (int i = 0; i < 4; i++) {   /* quarter g: column 4g + i's pairs j + 4q .. j + 4q + 3 */
+                    const uint16_t *p = b + (z * CHAIN_COLS + i) * sn + 2 * j + 8 * q;
+                    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+                    v = _mm512_mask_broadcast_i32x4(v, 0x00F0, _mm_loadu_si128((const __m128i *)(p + 4 * sn)));
+                    v = _mm512_mask_broadcast_i32x4(v, 0x0F00, _mm_loadu_si128((const __m128i *)(p + 8 * sn)));
+                    x[i] = _mm512_mask_broadcast_i32x4(v, 0xF000, _mm_loadu_si128((const __m128i *)(p + 12 * sn)));
+                }
+                const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+                const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+                y[z][0] = (__m512bh)_mm512_unpacklo_epi64(t0, t2);
+                y[z][1] = (__m512bh)_mm512_unpackhi_epi64(t0, t2);
+                y[z][2] = (__m512bh)_mm512_unpacklo_epi64(t1, t3);
+                y[z][3] = (__m512bh)_mm512_unpackhi_epi64(t1, t3);
+            }
+            for (int t = 0; t < 4; t++)
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+                    const p32 xa = bcast_pair(a + r * lda + 2 * (j + 4 * q + t));
+#pragma GCC unroll 4
+                    for (int z = 0; z < Z; z++) c[r][z] = pair16(xa, y[z][t], c[r][z]);
+                }
+        }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int z = 0; z < Z; z++) store16(out + r * ldo + z * CHAIN_COLS, c[r][z]);
+}
+
+static inline __attribute__((always_inline)) void direct_rows_z(const int R, const int Z, const uint16_t *a, int64_t lda,
+                                                                const uint16_t *b, int64_t sn, int64_t K2, int64_t n16,
+                                                                float *out, int64_t ldo) {
+    int64_t n = 0;
+    for (; n + Z * CHAIN_COLS <= n16; n += Z * CHAIN_COLS) direct_tile(R, Z, a, lda, b + n * sn, sn, K2, out + n, ldo);
+    for (; n < n16; n += CHAIN_COLS) direct_tile(R, 1, a, lda, b + n * sn, sn, K2, out + n, ldo);
+}
+#endif
+
+enum { DIRECT_ROWS = 8 };   /* at most this many rows: direct_tile, no packing */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+enum { DIRECT_BUILT = 1 };
+#else
+enum { DIRECT_BUILT = 0 };
+#endif
+
+/* The chains of mr <= DIRECT_ROWS rows of A (row stride lda, k contiguous, K even) with the columns
+ * n < n16 (a multiple of 16) of B (column n at b + n * sn, k contiguous), K a multiple of 32: direct_tile.
+ * Returns 0 when it ran, 1 when these operands take the packed path. */
+static int chain_direct(const uint16_t *a, int64_t lda, int64_t mr, const uint16_t *b, int64_t sn, int64_t K,
+                        int64_t n16, float *out, int64_t ldo) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (mr < 1 || mr > DIRECT_ROWS || K % 32) return 1;
+    const int64_t K2 = K / 2;
+    switch (mr) {
+    case 1: direct_rows_z(1, 4, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 2: direct_rows_z(2, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 3: direct_rows_z(3, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 4: direct_rows_z(4, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 5: direct_rows_z(5, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 6: direct_rows_z(6, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 7: direct_rows_z(7, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    default: direct_rows_z(8, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    }
+    return 0;
+#else
+    (void)a; (void)lda; (void)mr; (void)b; (void)sn; (void)K; (void)n16; (void)out; (void)ldo;
+    return 1;
+#endif
+}
+
 /* dot32 for two BF16 operands in the chain order. B packed per call, CHAIN_PACK bytes of columns at a
  * time; A rows read in place where k is contiguous and K even, else copied. solo: on the calling thread
  * alone (a fused call's chunk, its threads already busy), else large blocks split whole panels of
@@ -534,9 +621,16 @@ static int dot_pairs(int solo, const int64_t *shape, const char *A, const int64_
             {
                 int64_t lo, hi;
                 share(nr, CHAIN_COLS, &lo, &hi);   /* whole panels of columns */
-                if (hi > lo) {
-                    pack_panels(Bb + (n0 + lo) * sb[3], sb[3], sb[4], hi - lo, K, K2, pk + lo * K2);
-                    fail |= chain_rows(Ab, sa[3], sa[4], a_direct, rows, K, pk + lo * K2, K2, hi - lo, ob + n0 + lo, N);
+                int64_t done = 0;   /* columns run by chain_direct: few rows, whole panels */
+                if (hi > lo && a_direct && sb[4] == 1 && rows <= DIRECT_ROWS && (hi - lo) >= CHAIN_COLS &&
+                    !chain_direct(Ab, sa[3], rows, Bb + (n0 + lo) * sb[3], sb[3], K, (hi - lo) / CHAIN_COLS * CHAIN_COLS,
+                                  ob + n0 + lo, N))
+                    done = (hi - lo) / CHAIN_COLS * CHAIN_COLS;
+                if (hi - lo > done) {
+                    const int64_t c0 = n0 + lo + done;
+                    pack_panels(Bb + c0 * sb[3], sb[3], sb[4], hi - lo - done, K, K2, pk + (lo + done) * K2);
+                    fail |= chain_rows(Ab, sa[3], sa[4], a_direct, rows, K, pk + (lo + done) * K2, K2, hi - lo - done,
+                                       ob + c0, N);
                 }
             }
         }
@@ -595,7 +689,7 @@ int dot32(const int64_t *shape, const char *A, int ta, const int64_t *sa,
     return dot_lanes(0, shape, A, ta, sa, B, tb, sb, mlen, out);
 }
 
-/* dot32 in the "bf16" realisation: two BF16 operands in the pair order, others as dot32. */
+/* dot32 in the "bf16" realisation: two BF16 operands in the pair chain, others as dot32. */
 int dot32p(const int64_t *shape, const char *A, int ta, const int64_t *sa,
            const char *B, int tb, const int64_t *sb, const int64_t *mlen, float *out) {
     if (ta == BF16 && tb == BF16) return dot_pairs(0, shape, A, sa, B, sb, mlen, out);
@@ -809,7 +903,7 @@ static inline int64_t group_keys(const int64_t *qp, int64_t rn, int64_t b0, int6
 }
 
 /* dot64.c's attend64 (same arguments, loop and KV chunks) with the contractions and the row sums
- * of p in this file's order; exp by exp32_rows (and exp32_one in the chunks' fold). pairs: q.k of BF16 q and K in the pair order.
+ * of p in this file's order; exp by exp32_rows (and exp32_one in the chunks' fold). pairs: q.k of BF16 q and K in the pair lanes (block_pairs).
  * Keys past the last query position of a block (masked for every row) are neither read nor
  * multiplied: their scores are -inf and their p exactly 0 either way; a row is skipped in a
  * block it sees no key of (a = exp(0) = 1, p = 0: l and o would be kept exactly). */
@@ -959,7 +1053,7 @@ int attend32(const int64_t *dims, const char *Q, int tq, const int64_t *qs, cons
     return attend_lanes(dims, Q, tq, qs, K, V, tkv, tok, kvs, qpos, seq_len, scale, out, tout, os, 0);
 }
 
-/* attend32 in the "bf16" realisation: q.k of BF16 operands in the pair order; p.v (p fp32) as attend32. */
+/* attend32 in the "bf16" realisation: q.k of BF16 operands in the pair lanes; p.v (p fp32) as attend32. */
 int attend32p(const int64_t *dims, const char *Q, int tq, const int64_t *qs, const char *K, const char *V,
               int tkv, const int64_t *tok, const int64_t *kvs, const int64_t *qpos, const int64_t *seq_len,
               float scale, char *out, int tout, const int64_t *os) {
@@ -1096,8 +1190,9 @@ static void expert_rows(int pairs, int dt, const char *base, int64_t sn, int64_t
  * past K) with an expert's rows (expert_rows): the kernels dot32p / dot32 run on the same rows, so
  * their bits. */
 static void moe_block(int pairs, const void *a, int64_t lda, int64_t mr, const void *w, int64_t nr, int64_t K,
-                      int64_t kp, float *out) {
-    if (pairs) chain_rows(a, lda, 1, 1, mr, K, w, (K + 1) / 2, nr, out, nr);
+                      int64_t kp, float *out, const uint16_t *raw, int64_t sn) {
+    if (raw) chain_direct(a, lda, mr, raw, sn, K, nr, out, nr);   /* moe_experts32 checked that it runs */
+    else if (pairs) chain_rows(a, lda, 1, 1, mr, K, w, (K + 1) / 2, nr, out, nr);
     else block32(a, mr, w, nr, kp, out, nr);
 }
 
@@ -1159,22 +1254,29 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
     rc |= buf[0] ? 0 : -1;
     for (int64_t le = 0; le < ne && !rc; le++) {
         if (start[le + 1] == start[le] || start[le] < lo || start[le] >= hi) continue;
-        expert_rows(pairs, dt, gu + le * sgu[0] * e, sgu[1], sgu[2], 2 * I, H, kh, buf[6]);
-        expert_rows(pairs, dt, dn + le * sdn[0] * e, sdn[1], sdn[2], H, I, ki, buf[6] + ng * kh * es);
+        /* an expert of few pairs reads its weights in place (chain_direct), else packs them once */
+        const int raw = pairs && DIRECT_BUILT && start[le + 1] - start[le] <= DIRECT_ROWS && sgu[2] == 1 && sdn[2] == 1 &&
+                        H % 32 == 0 && I % 32 == 0;
+        const uint16_t *graw = raw ? (const uint16_t *)(gu + le * sgu[0] * e) : NULL;
+        const uint16_t *draw = raw ? (const uint16_t *)(dn + le * sdn[0] * e) : NULL;
+        if (!raw) {
+            expert_rows(pairs, dt, gu + le * sgu[0] * e, sgu[1], sgu[2], 2 * I, H, kh, buf[6]);
+            expert_rows(pairs, dt, dn + le * sdn[0] * e, sdn[1], sdn[2], H, I, ki, buf[6] + ng * kh * es);
+        }
         const char *gw = buf[6], *dw = gw + ng * kh * es;
         for (int64_t i0 = start[le]; i0 < start[le + 1]; i0 += rows) {
             const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
             const int64_t m = n;   /* rows computed */
             for (int64_t i = 0; i < m; i++)
                 operand_row(pairs, dt, i < n ? x + (pl[i] / k) * sx * e : NULL, H, kh, xa + i * kh * es);
-            moe_block(pairs, xa, kh, m, gw, 2 * I, H, kh, acc);
+            moe_block(pairs, xa, kh, m, gw, 2 * I, H, kh, acc, graw, sgu[1]);
             round_rows(acc, dt, n * 2 * I, gd);                                               /* gu in dt */
             if (dt == BF16) silu_rows_dt(n, I, BF16, gd, 2 * I, gd + I * e, 2 * I, h, g);
             else silu_rows_dt(n, I, F32, gd, 2 * I, gd + I * e, 2 * I, h, g);
             const int direct = pairs && ki == I;                           /* h rows are the operand rows */
             for (int64_t i = direct ? n : 0; i < m; i++)
                 operand_row(pairs, dt, i < n ? h + i * I * e : NULL, I, ki, (direct ? h : ha) + i * ki * es);
-            moe_block(pairs, direct ? h : ha, ki, m, dw, H, I, ki, acc);
+            moe_block(pairs, direct ? h : ha, ki, m, dw, H, I, ki, acc, draw, sdn[1]);
             for (int64_t i = 0; i < n; i++)
                 for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = acc[i * H + c] * wts[pl[i]];
         }
