@@ -511,8 +511,8 @@ static int chain_rows(const uint16_t *a, int64_t sm, int64_t sk, int direct, int
 static inline __attribute__((always_inline)) void direct_tile(const int R, const int Z, const uint16_t *a, int64_t lda,
                                                               const uint16_t *b, int64_t sn, int64_t K2, float *out,
                                                               int64_t ldo) {
-    v16 c[8][4];
-#pragma GCC unroll 8
+    v16 c[12][4];
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int z = 0; z < Z; z++) c[r][z] = zero16();
@@ -537,14 +537,14 @@ static inline __attribute__((always_inline)) void direct_tile(const int R, const
                 y[z][3] = (__m512bh)_mm512_unpackhi_epi64(t1, t3);
             }
             for (int t = 0; t < 4; t++)
-#pragma GCC unroll 8
+#pragma GCC unroll 12
                 for (int r = 0; r < R; r++) {
                     const p32 xa = bcast_pair(a + r * lda + 2 * (j + 4 * q + t));
 #pragma GCC unroll 4
                     for (int z = 0; z < Z; z++) c[r][z] = pair16(xa, y[z][t], c[r][z]);
                 }
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int z = 0; z < Z; z++) store16(out + r * ldo + z * CHAIN_COLS, c[r][z]);
@@ -559,7 +559,7 @@ static inline __attribute__((always_inline)) void direct_rows_z(const int R, con
 }
 #endif
 
-enum { DIRECT_ROWS = 8 };   /* at most this many rows: direct_tile, no packing */
+enum { DIRECT_ROWS = 12 };   /* at most this many rows: direct_tile, no packing */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 enum { DIRECT_BUILT = 1 };
 #else
@@ -575,14 +575,18 @@ static int chain_direct(const uint16_t *a, int64_t lda, int64_t mr, const uint16
     if (mr < 1 || mr > DIRECT_ROWS || K % 32) return 1;
     const int64_t K2 = K / 2;
     switch (mr) {
-    case 1: direct_rows_z(1, 4, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 1: direct_rows_z(1, 2, a, lda, b, sn, K2, n16, out, ldo); break;
     case 2: direct_rows_z(2, 2, a, lda, b, sn, K2, n16, out, ldo); break;
     case 3: direct_rows_z(3, 2, a, lda, b, sn, K2, n16, out, ldo); break;
     case 4: direct_rows_z(4, 2, a, lda, b, sn, K2, n16, out, ldo); break;
     case 5: direct_rows_z(5, 2, a, lda, b, sn, K2, n16, out, ldo); break;
     case 6: direct_rows_z(6, 2, a, lda, b, sn, K2, n16, out, ldo); break;
     case 7: direct_rows_z(7, 2, a, lda, b, sn, K2, n16, out, ldo); break;
-    default: direct_rows_z(8, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 8: direct_rows_z(8, 2, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 9: direct_rows_z(9, 1, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 10: direct_rows_z(10, 1, a, lda, b, sn, K2, n16, out, ldo); break;
+    case 11: direct_rows_z(11, 1, a, lda, b, sn, K2, n16, out, ldo); break;
+    default: direct_rows_z(12, 1, a, lda, b, sn, K2, n16, out, ldo); break;
     }
     return 0;
 #else
