@@ -274,10 +274,10 @@ CPU_ACCUMULATION = {
             "each pair as one VDPBF16PS lane (Intel SDM) does it: acc = ftz(fma(a[k+1], b[k+1], acc)) then "
             "acc = ftz(fma(a[k], b[k], acc)), round to nearest even, bf16 denormal operands read as zero "
             "(DAZ), denormal results flushed to a zero of their sign (FTZ), MXCSR not consulted; no lane "
-            "tree (reference/dot32.c dot32p: lanes over n, B packed per call or transposed in registers; any vector axis gives the "
-            "same bits); one thread per output; CPUs without avx512_bf16 run the same steps in C (same "
-            "bits); any other operand dtypes: the fp32 realisation's lanes; fp64 operands and other "
-            "devices: as the reference text"),
+            "tree (reference/dot32.c dot32p: lanes over n, B packed per call or transposed in registers; "
+            "any vector axis gives the same bits); one thread per output; CPUs without avx512_bf16 run the "
+            "same steps in C (same bits); any other operand dtypes: the fp32 realisation's lanes; fp64 "
+            "operands and other devices: as the reference text"),
         "reductions": "as the fp32 realisation",
         "attention": (
             "as the fp32 realisation (reference/dot32.c attend32p), except q.k of bf16 q and K in 16 "
