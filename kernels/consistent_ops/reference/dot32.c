@@ -1175,10 +1175,10 @@ static inline __attribute__((always_inline)) int combine_slots_dt(int64_t T, int
 /* One row of K dt values (contiguous; NULL: zeros) as a block kernel's operand row of kp: bf16 copied
  * (pairs), else widened to fp32; zero padded. Exact copies, so the dots see the values dot32p / dot32 see. */
 static void operand_row(int pairs, int dt, const char *src, int64_t K, int64_t kp, void *dst) {
-    const int64_t have = src ? K : 0, es = pairs ? 2 : 4;
-    if (have && pairs) memcpy(dst, src, (size_t)K * 2);
-    else if (have) widen32(src, dt, K, 1, dst);
-    memset((char *)dst + have * es, 0, (size_t)((kp - have) * es));
+    const int64_t es = pairs ? 2 : 4;
+    if (pairs) memcpy(dst, src, (size_t)K * 2);
+    else widen32(src, dt, K, 1, dst);
+    memset((char *)dst + K * es, 0, (size_t)((kp - K) * es));
 }
 
 /* An expert's n weight rows of K (element (j, k) at base + j*sn + k*sk) for moe_block: pairs, packed
@@ -1270,17 +1270,14 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
         const char *gw = buf[6], *dw = gw + ng * kh * es;
         for (int64_t i0 = start[le]; i0 < start[le + 1]; i0 += rows) {
             const int64_t n = start[le + 1] - i0 < rows ? start[le + 1] - i0 : rows, *pl = list + i0;
-            const int64_t m = n;   /* rows computed */
-            for (int64_t i = 0; i < m; i++)
-                operand_row(pairs, dt, i < n ? x + (pl[i] / k) * sx * e : NULL, H, kh, xa + i * kh * es);
-            moe_block(pairs, xa, kh, m, gw, 2 * I, H, kh, acc, graw, sgu[1]);
+            for (int64_t i = 0; i < n; i++) operand_row(pairs, dt, x + (pl[i] / k) * sx * e, H, kh, xa + i * kh * es);
+            moe_block(pairs, xa, kh, n, gw, 2 * I, H, kh, acc, graw, sgu[1]);
             round_rows(acc, dt, n * 2 * I, gd);                                               /* gu in dt */
             if (dt == BF16) silu_rows_dt(n, I, BF16, gd, 2 * I, gd + I * e, 2 * I, h, g);
             else silu_rows_dt(n, I, F32, gd, 2 * I, gd + I * e, 2 * I, h, g);
             const int direct = pairs && ki == I;                           /* h rows are the operand rows */
-            for (int64_t i = direct ? n : 0; i < m; i++)
-                operand_row(pairs, dt, i < n ? h + i * I * e : NULL, I, ki, (direct ? h : ha) + i * ki * es);
-            moe_block(pairs, direct ? h : ha, ki, m, dw, H, I, ki, acc, draw, sdn[1]);
+            for (int64_t i = 0; i < n && !direct; i++) operand_row(pairs, dt, h + i * I * e, I, ki, ha + i * ki * es);
+            moe_block(pairs, direct ? h : ha, ki, n, dw, H, I, ki, acc, draw, sdn[1]);
             for (int64_t i = 0; i < n; i++)
                 for (int64_t c = 0; c < H; c++) contrib[pl[i] * H + c] = acc[i * H + c] * wts[pl[i]];
         }
