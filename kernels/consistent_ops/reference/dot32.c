@@ -372,28 +372,33 @@ static inline void store16n(float *p, v16 a, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-/* Pairs j .. j+15 of the 16 columns at bp (column l at bp + l * sn) into a panel's rows j .. j+15 (pd: the
- * panel): for each quarter q (pairs j + 4q ..), x[i] holds in its 128-bit quarter g column 4g + i's four
- * pairs (one plain and three merge-masked 128-bit broadcast loads: the cross-quarter moves done by the
- * load unit), then an in-lane 4 x 4 transpose of x[0..3] (8 shuffles) gives pair j + 4q + c of all 16
- * columns in one register: 32 shuffles a 16 x 16 block instead of 64. */
+/* Pairs j .. j+3 of the 16 columns at p (column l at p + l * sn, pair j at p) as four registers, out[c]
+ * holding pair j + c of all 16 columns: x[i] takes in its 128-bit quarter g column 4g + i's four pairs
+ * (one plain and three merge-masked 128-bit broadcast loads: the cross-quarter moves done by the load
+ * unit), then an in-lane 4 x 4 transpose of x[0..3] (8 shuffles): 32 shuffles a 16 x 16 block, not 64. */
+static inline __attribute__((always_inline)) void pairs4x16(const uint16_t *p, int64_t sn, __m512i *out) {
+    __m512i x[4];
+    for (int i = 0; i < 4; i++) {
+        const uint16_t *c = p + i * sn;
+        __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)c));
+        v = _mm512_mask_broadcast_i32x4(v, 0x00F0, _mm_loadu_si128((const __m128i *)(c + 4 * sn)));
+        v = _mm512_mask_broadcast_i32x4(v, 0x0F00, _mm_loadu_si128((const __m128i *)(c + 8 * sn)));
+        x[i] = _mm512_mask_broadcast_i32x4(v, 0xF000, _mm_loadu_si128((const __m128i *)(c + 12 * sn)));
+    }
+    const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* Pairs j .. j+15 of the 16 columns at bp (column l at bp + l * sn) into a panel's rows j .. j+15 (pd: the panel). */
 static inline void pack16x16(const uint16_t *bp, int64_t sn, int64_t j, uint32_t *pd) {
     for (int q = 0; q < 4; q++) {
-        __m512i x[4];
-        for (int i = 0; i < 4; i++) {
-            const uint16_t *p = bp + i * sn + 2 * j + 8 * q;
-            __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
-            v = _mm512_mask_broadcast_i32x4(v, 0x00F0, _mm_loadu_si128((const __m128i *)(p + 4 * sn)));
-            v = _mm512_mask_broadcast_i32x4(v, 0x0F00, _mm_loadu_si128((const __m128i *)(p + 8 * sn)));
-            x[i] = _mm512_mask_broadcast_i32x4(v, 0xF000, _mm_loadu_si128((const __m128i *)(p + 12 * sn)));
-        }
-        const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
-        const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
-        uint32_t *o = pd + (j + 4 * q) * CHAIN_COLS;
-        _mm512_storeu_si512(o, _mm512_unpacklo_epi64(t0, t2));
-        _mm512_storeu_si512(o + CHAIN_COLS, _mm512_unpackhi_epi64(t0, t2));
-        _mm512_storeu_si512(o + 2 * CHAIN_COLS, _mm512_unpacklo_epi64(t1, t3));
-        _mm512_storeu_si512(o + 3 * CHAIN_COLS, _mm512_unpackhi_epi64(t1, t3));
+        __m512i y[4];
+        pairs4x16(bp + 2 * j + 8 * q, sn, y);
+        for (int c = 0; c < 4; c++) _mm512_storeu_si512(pd + (j + 4 * q + c) * CHAIN_COLS, y[c]);
     }
 }
 #endif
@@ -518,30 +523,15 @@ static inline __attribute__((always_inline)) void direct_tile(const int R, const
         for (int z = 0; z < Z; z++) c[r][z] = zero16();
     for (int64_t j = 0; j < K2; j += 16)
         for (int q = 0; q < 4; q++) {
-            p32 y[4][4];
+            __m512i y[4][4];
 #pragma GCC unroll 4
-            for (int z = 0; z < Z; z++) {
-                __m512i x[4];
-                for (int i = 0; i < 4; i++) {   /* quarter g: column 4g + i's pairs j + 4q .. j + 4q + 3 */
-                    const uint16_t *p = b + (z * CHAIN_COLS + i) * sn + 2 * j + 8 * q;
-                    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
-                    v = _mm512_mask_broadcast_i32x4(v, 0x00F0, _mm_loadu_si128((const __m128i *)(p + 4 * sn)));
-                    v = _mm512_mask_broadcast_i32x4(v, 0x0F00, _mm_loadu_si128((const __m128i *)(p + 8 * sn)));
-                    x[i] = _mm512_mask_broadcast_i32x4(v, 0xF000, _mm_loadu_si128((const __m128i *)(p + 12 * sn)));
-                }
-                const __m512i t0 = _mm512_unpacklo_epi32(x[0], x[1]), t1 = _mm512_unpackhi_epi32(x[0], x[1]);
-                const __m512i t2 = _mm512_unpacklo_epi32(x[2], x[3]), t3 = _mm512_unpackhi_epi32(x[2], x[3]);
-                y[z][0] = (__m512bh)_mm512_unpacklo_epi64(t0, t2);
-                y[z][1] = (__m512bh)_mm512_unpackhi_epi64(t0, t2);
-                y[z][2] = (__m512bh)_mm512_unpacklo_epi64(t1, t3);
-                y[z][3] = (__m512bh)_mm512_unpackhi_epi64(t1, t3);
-            }
+            for (int z = 0; z < Z; z++) pairs4x16(b + z * CHAIN_COLS * sn + 2 * j + 8 * q, sn, y[z]);
             for (int t = 0; t < 4; t++)
 #pragma GCC unroll 12
                 for (int r = 0; r < R; r++) {
                     const p32 xa = bcast_pair(a + r * lda + 2 * (j + 4 * q + t));
 #pragma GCC unroll 4
-                    for (int z = 0; z < Z; z++) c[r][z] = pair16(xa, y[z][t], c[r][z]);
+                    for (int z = 0; z < Z; z++) c[r][z] = pair16(xa, (p32)y[z][t], c[r][z]);
                 }
         }
 #pragma GCC unroll 12
