@@ -1231,16 +1231,17 @@ int moe_experts32(int64_t T, int64_t k, int64_t H, int64_t I, int dt, const char
      * SiLU's row, the expert's weights (chain panels, or widened). Weight rows rounded up to 48: both
      * kernels' column groups (16-column pair panels, 3 fp32 columns); a panel's pairs take kh * 2 bytes
      * a column at most. */
-    const int64_t r4 = (rows + 3) / 4 * 4, wide = 2 * I > H ? 2 * I : H, ng = (2 * I + 47) / 48 * 48, nd = (H + 47) / 48 * 48;
-    const size_t part[8] = {(size_t)(r4 * kh * es), (size_t)(r4 * ki * es), (size_t)(r4 * wide) * 4, (size_t)(r4 * 2 * I * e),
-                            (size_t)(r4 * I * e), (size_t)(2 * I) * 4, (size_t)(ng * kh + nd * ki) * es, 64};
+    const int64_t wide = 2 * I > H ? 2 * I : H, ng = (2 * I + 47) / 48 * 48, nd = (H + 47) / 48 * 48;
+    const size_t part[7] = {(size_t)(rows * kh * es), (size_t)(rows * ki * es), (size_t)(rows * wide) * 4,
+                            (size_t)(rows * 2 * I * e), (size_t)(rows * I * e), (size_t)(2 * I) * 4,
+                            (size_t)(ng * kh + nd * ki) * es};
     size_t total = 0;
-    for (int i = 0; i < 8; i++) total += (part[i] + 63) / 64 * 64;
+    for (int i = 0; i < 7; i++) total += (part[i] + 63) / 64 * 64;
     if (!rc)
 #pragma omp parallel num_threads(nt) if (nt > 1) reduction(| : rc)
     {   /* each thread the experts whose first pair falls in its share of the pairs */
-    char *buf[8] = {scratch_bytes(total)};
-    for (int i = 1; i < 8 && buf[0]; i++) buf[i] = buf[i - 1] + (part[i - 1] + 63) / 64 * 64;
+    char *buf[7] = {scratch_bytes(total)};
+    for (int i = 1; i < 7 && buf[0]; i++) buf[i] = buf[i - 1] + (part[i - 1] + 63) / 64 * 64;
     char *xa = buf[0], *ha = buf[1], *gd = buf[3], *h = buf[4];
     float *acc = (float *)buf[2], *g = (float *)buf[5];
     int64_t lo, hi;
