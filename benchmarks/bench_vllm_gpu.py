@@ -23,7 +23,10 @@ many tokens, generated twice with the prefix cache reset before each: max_tokens
 and 1 + TAIL_DECODE; a decode step is the median wall time of the second's last TAIL_DECODE
 engine steps (their difference / TAIL_DECODE is kept beside it). --repeats (default 3) times
 a case per process; reported per case: each engine's decode ms per step, decode tokens/s (B / step
-time), prefill time (medians over every repeat of all rounds) and stock ms / plugin ms.
+time), prefill time (medians over every repeat of all rounds) and stock ms / plugin ms. --cases
+BxCONTEXT,... times those cases instead. --host-times (with --tail) runs each engine in this
+process and adds, per case, the host's median microseconds a decode step inside each of HOST_TIMED's
+functions (inclusive): where one engine's step spends host time the other's does not.
 
     python3 benchmarks/bench_vllm_gpu.py --model DIR [--json out.json]
     python3 benchmarks/bench_vllm_gpu.py --model DIR --max-response 16384 --prompts 16
@@ -32,8 +35,10 @@ time), prefill time (medians over every repeat of all rounds) and stock ms / plu
     python3 benchmarks/bench_vllm_gpu.py --model DIR --tail      # decode at B 1/4/16 x context 1k/8k/32k
     python3 benchmarks/bench_vllm_gpu.py --model DIR --tail --engines stock,plugin,sampling
                          # + stock vLLM with the plugin's sampling path alone: what it costs a step
+    python3 benchmarks/bench_vllm_gpu.py --model DIR --tail --cases 1x1024,16x32768 --host-times
 """
 import argparse
+import importlib
 import json
 import math
 import os
@@ -57,6 +62,23 @@ TAIL_CASES = ((1, 1024), (4, 1024), (16, 1024), (1, 8192), (4, 8192), (16, 8192)
               (1, 32768), (4, 32768), (16, 32768))
 TAIL_DECODE = 256
 TAIL_GOAL = 0.9
+# --host-times: the functions of a decode step timed on the host (module:Class.method; inclusive, so
+# nested ones are part of those above them); one missing from a vLLM build is left out
+HOST_TIMED = ("vllm.v1.core.sched.scheduler:Scheduler.schedule",
+              "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+              "vllm.v1.engine.output_processor:OutputProcessor.process_outputs",
+              "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+              "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+              "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs",
+              "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata",
+              "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+              "vllm.model_executor.layers.logits_processor:LogitsProcessor.forward",
+              "true_on_policy.vllm.model:TrueOnPolicyForCausalLM.compute_logits",
+              "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+              "vllm.v1.worker.gpu_input_batch:InputBatch.update_async_output_token_ids",
+              "vllm.v1.sample.sampler:Sampler.forward",
+              "true_on_policy.vllm.sampling:ContractLogProbs.apply",
+              "vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync")
 
 
 def parse_args(argv=None):
@@ -76,6 +98,9 @@ def parse_args(argv=None):
                    "requests of 128 tokens, then over a tail of 8 of them generating 512 tokens")
     p.add_argument("--tail", action="store_true", help="instead of the batch: decode ms per step at B "
                    "1/4/16 and contexts 1k/8k/32k (TAIL_CASES; --prompts, --n, --prompt-len, --max-response unused)")
+    p.add_argument("--cases", help="--tail: these cases instead of TAIL_CASES, as BxCONTEXT,... (e.g. 1x1024,16x32768)")
+    p.add_argument("--host-times", action="store_true", help="--tail: each engine in this process; per case the "
+                   "host's microseconds a decode step in each of HOST_TIMED's functions")
     p.add_argument("--json")
     p.add_argument("--logs", help="a folder: each engine process's whole output, written as it runs "
                    "(<engine>-<n>.log; what a killed run leaves to read)")
@@ -91,12 +116,29 @@ def parse_args(argv=None):
         problem = f"--engines {a.engines}: name some of {', '.join(ENGINES)}"
     elif a.tail and a.profile:
         problem = "--tail with --profile: run them separately"
+    elif (a.cases or a.host_times) and not a.tail:
+        problem = f"{'--cases' if a.cases else '--host-times'} without --tail: add --tail"
+    elif a.cases and not _parse_cases(a.cases):
+        problem = f"--cases {a.cases}: give BxCONTEXT pairs of positive integers, comma-separated (e.g. 1x1024,16x32768)"
     elif not Path(a.model, "config.json").is_file():
         problem = f"--model {a.model}: no config.json: pass a HF checkpoint directory"
     else:
         return a
     print(f"error: {problem}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def _parse_cases(text):
+    """'1x1024,16x32768' -> ((1, 1024), (16, 32768)); None when malformed."""
+    try:
+        cases = tuple(tuple(int(x) for x in case.split("x")) for case in text.split(","))
+    except ValueError:
+        return None
+    return cases if all(len(c) == 2 and min(c) > 0 for c in cases) else None
+
+
+def tail_cases(args):
+    return _parse_cases(args.cases) if args.cases else TAIL_CASES
 
 
 def workload(args, vocab):
@@ -168,10 +210,10 @@ class StepTimes:
     full batch, its middle, its tail: where one engine loses to the other), summed over the timed
     generates. Wraps the instance's step(), which LLM.generate calls once a step; engines without
     get_num_unfinished_requests are left alone (summary empty). `durations` keeps each step's seconds
-    (the tail's decode steps are the last of a generate)."""
+    (the tail's decode steps are the last of a generate); after_step, if given, runs after each."""
     BUCKETS = ((8, "<=8"), (64, "9-64"), (256, "65-256"), (math.inf, ">256"))
 
-    def __init__(self, engine):
+    def __init__(self, engine, after_step=None):
         self.spent, self.engine, self.durations = {}, None, []
         if not hasattr(engine, "get_num_unfinished_requests"):
             return
@@ -188,6 +230,8 @@ class StepTimes:
                 cell = self.spent.setdefault(next(name for most, name in self.BUCKETS if n <= most), [0.0, 0])
                 cell[0] += self.durations[-1]
                 cell[1] += 1
+                if after_step:
+                    after_step()
         engine.step = step
 
     def close(self):
@@ -201,14 +245,59 @@ class StepTimes:
                 for _, name in self.BUCKETS if name in self.spent}
 
 
+class HostTimes:
+    """Inclusive host wall time of HOST_TIMED's functions, per engine step: each is wrapped on its
+    class (so every instance, engine core included when it runs in this process); end_step() closes
+    a step (`steps`: one {function: seconds} a step); close() unwraps."""
+
+    def __init__(self):
+        self.current, self.steps, self.wrapped = {}, [], []
+        for target in HOST_TIMED:
+            module, _, attr = target.partition(":")
+            owner, _, name = attr.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), owner)
+            except (ImportError, AttributeError):
+                continue
+            if name in vars(cls):
+                self.wrapped.append((cls, name, vars(cls)[name]))
+                setattr(cls, name, self._timed(target.rpartition(":")[2], vars(cls)[name]))
+
+    def _timed(self, label, inner):
+        current = self.current
+
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                current[label] = current.get(label, 0.0) + time.perf_counter() - t
+        return run
+
+    def end_step(self):
+        self.steps.append(dict(self.current))
+        self.current.clear()
+
+    @staticmethod
+    def medians_us(steps):
+        """[{function: seconds}] -> {function: median microseconds a step} (0 where a step had no call)."""
+        names = dict.fromkeys(name for step in steps for name in step)
+        return {name: statistics.median(step.get(name, 0.0) for step in steps) * 1e6 for name in names}
+
+    def close(self):
+        for cls, name, inner in self.wrapped:
+            setattr(cls, name, inner)
+
+
 def run_child(args):
     from transformers import AutoTokenizer
     vocab = len(AutoTokenizer.from_pretrained(args.model))
     t0 = time.perf_counter()
     if args.tail:
         # warm-up: the smallest case end to end (compilation, autotuning)
-        warm = [(p, 1 + TAIL_DECODE) for p in tail_prompts(*TAIL_CASES[0], vocab)]
-        longest = max(ctx for _, ctx in TAIL_CASES) + 1 + TAIL_DECODE
+        cases = tail_cases(args)
+        warm = [(p, 1 + TAIL_DECODE) for p in tail_prompts(*min(cases, key=lambda c: c[0] * c[1]), vocab)]
+        longest = max(ctx for _, ctx in cases) + 1 + TAIL_DECODE
     else:
         work = workload(args, vocab)
         if args.profile:
@@ -224,7 +313,7 @@ def run_child(args):
     print(f"[{args.child}] warm-up done at {time.perf_counter() - t0:.1f} s", flush=True)
     result = {"engine": args.child, "engine_start_s": start_s}
     if args.tail:
-        result["cases"] = time_tail(llm, args.child, args.repeats, vocab)
+        result["cases"] = time_tail(llm, args.child, args.repeats, vocab, tail_cases(args), args.host_times)
     else:
         result.update(time_batch(llm, args, work))
     print("@@result " + json.dumps(result), flush=True)
@@ -246,30 +335,42 @@ def time_batch(llm, args, work):
     return result
 
 
-def time_tail(llm, engine, repeats, vocab):
-    """Per TAIL_CASES case, `repeats` times: the prefill-only generate's seconds and the decode
+def time_tail(llm, engine, repeats, vocab, cases=TAIL_CASES, host_times=False):
+    """Per case, `repeats` times: the prefill-only generate's seconds and the decode
     ms per step, both generates over the same prompts from a reset prefix cache. decode_ms is the
     median of the long generate's last TAIL_DECODE engine steps (one hiccup, e.g. a compilation,
     moves it by a step at most); decode_ms_difference the two generates' difference per step
-    (the measure before 2026-12-05, which such a hiccup in either generate skews)."""
-    cases, steps = [], StepTimes(llm.llm_engine)
-    for b, ctx in TAIL_CASES:
+    (the measure before 2026-12-05, which such a hiccup in either generate skews). With
+    host_times, host_us: HostTimes' medians over those steps of every repeat."""
+    host = HostTimes() if host_times else None
+    steps = StepTimes(llm.llm_engine, host.end_step if host else None)
+    out = []
+    for b, ctx in cases:
         prompts = tail_prompts(b, ctx, vocab)
         case = {"b": b, "ctx": ctx, "prefill_s": [], "decode_ms": [], "decode_ms_difference": []}
+        decoded = []
         for i in range(repeats):
             short, _ = timed(llm, engine, [(p, 1) for p in prompts])
             steps.durations.clear()
+            if host:
+                host.steps.clear()
             long, _ = timed(llm, engine, [(p, 1 + TAIL_DECODE) for p in prompts])
             case["prefill_s"].append(short)
             case["decode_ms_difference"].append(decode_ms(short, long))
             decode_steps = steps.durations[-TAIL_DECODE:]
             case["decode_ms"].append(statistics.median(decode_steps) * 1e3 if len(decode_steps) == TAIL_DECODE
                                      else case["decode_ms_difference"][-1])
+            if host:
+                decoded += host.steps[-TAIL_DECODE:]
             print(f"[{engine}] tail B={b} context={ctx} repeat {i + 1}/{repeats}: prefill {short:.3f} s, "
                   f"decode {case['decode_ms'][-1]:.3f} ms/step", flush=True)
-        cases.append(case)
+        if host:
+            case["host_us"] = HostTimes.medians_us(decoded)
+        out.append(case)
     steps.close()
-    return cases
+    if host:
+        host.close()
+    return out
 
 
 def profile(llm, engine, work, rows=20):
@@ -352,7 +453,7 @@ def run_engine(args, engine, name=None):
     """One engine process (name: its log's name under --logs) -> its @@result."""
     env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
     env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
-    if args.profile:            # engine core in this process, so the profiler sees its kernels
+    if args.profile or args.host_times:    # engine core in this process, so the profiler / HostTimes see it
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # the child's own settings; a flag (--profile, --tail) only when set
     argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
@@ -442,17 +543,21 @@ def _pooled_batch(runs):
 
 
 def tail_summary(rounds, engines):
-    """Per TAIL_CASES case: each engine's medians over every repeat of all rounds and, with both
-    engines, the plugin's decode speed against stock's (stock ms / plugin ms; > 1: the plugin is
-    faster), pooled and per round."""
+    """Per case: each engine's medians over every repeat of all rounds (host_us: over rounds) and,
+    with both engines, the plugin's decode speed against stock's (stock ms / plugin ms; > 1: the
+    plugin is faster), pooled and per round."""
     cases = []
-    for k, (b, ctx) in enumerate(TAIL_CASES):
+    for k, first in enumerate(rounds[0][engines[0]]["cases"]):
+        b, ctx = first["b"], first["ctx"]
         row = {"b": b, "ctx": ctx}
         for engine in engines:
             runs = [r[engine]["cases"][k] for r in rounds]
             ms = statistics.median(x for c in runs for x in c["decode_ms"])
             row[engine] = {"decode_ms": ms, "decode_tokens_per_s": b * 1e3 / ms,
                            "prefill_s": statistics.median(x for c in runs for x in c["prefill_s"])}
+            if "host_us" in runs[0]:
+                row[engine]["host_us"] = HostTimes.medians_us([{f: us / 1e6 for f, us in c["host_us"].items()}
+                                                               for c in runs])
         if {"stock", "plugin"} <= set(engines):
             row["plugin_speed"] = row["stock"]["decode_ms"] / row["plugin"]["decode_ms"]
             row["plugin_speed_per_round"] = [statistics.median(r["stock"]["cases"][k]["decode_ms"])
@@ -480,6 +585,18 @@ def print_tail(tail, engines):
         print(f"\nplugin x stock: stock ms / plugin ms (> 1: the plugin decodes faster); goal >= {tail['goal']} at "
               f"every B and context (issue 26): {met} of {len(cases)} cases; lowest {worst['plugin_speed']:.3f} "
               f"(B={worst['b']}, context {worst['ctx']:,})")
+    for row in cases:
+        if "host_us" in row[engines[0]]:
+            print_host_times(row, engines)
+
+
+def print_host_times(row, engines):
+    """One case's HostTimes medians: a function a line, an engine a column (us a decode step)."""
+    names = dict.fromkeys(name for e in engines for name in row[e]["host_us"])
+    print(f"\nhost us a decode step, B={row['b']} context {row['ctx']:,} (inclusive; engine in-process):")
+    print(f"  {'function':<58}" + "".join(f"{e:>10}" for e in engines))
+    for name in names:
+        print(f"  {name:<58}" + "".join(f"{row[e]['host_us'].get(name, 0.0):>10.1f}" for e in engines))
 
 
 def print_batch(results, rounds):
@@ -509,8 +626,9 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
     engines = args.engines.split(",")
     if args.tail:
-        print(f"[bench_vllm_gpu] {device}; decode tail: {len(TAIL_CASES)} cases (B, context) "
-              f"{', '.join(f'{b}x{ctx}' for b, ctx in TAIL_CASES)}, {TAIL_DECODE} decode steps, {args.repeats} "
+        cases = tail_cases(args)
+        print(f"[bench_vllm_gpu] {device}; decode tail: {len(cases)} cases (B, context) "
+              f"{', '.join(f'{b}x{ctx}' for b, ctx in cases)}, {TAIL_DECODE} decode steps, {args.repeats} "
               f"repeats a process; engines {args.engines}", flush=True)
     else:
         print(f"[bench_vllm_gpu] {device}; {args.prompts} prompts x n={args.n} ({args.prompts * args.n} requests), "

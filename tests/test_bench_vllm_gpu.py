@@ -306,3 +306,101 @@ def test_tail_with_profile_is_refused_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--tail", "--profile"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "error: --tail with --profile: run them separately"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tail", "--cases", "1x1024,16"], "--cases 1x1024,16: give BxCONTEXT pairs of positive integers, "
+                                         "comma-separated (e.g. 1x1024,16x32768)"),
+    (["--tail", "--cases", "0x1024"], "--cases 0x1024: give BxCONTEXT pairs of positive integers, "
+                                      "comma-separated (e.g. 1x1024,16x32768)"),
+    (["--cases", "1x1024"], "--cases without --tail: add --tail"),
+    (["--host-times"], "--host-times without --tail: add --tail"),
+])
+def test_bad_cases_or_host_times_without_tail_are_refused_in_one_line(tmp_path, argv, message):
+    (tmp_path / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), *argv],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {message}"
+
+
+def test_host_times_split_each_decode_step_by_function_per_case(tmp_path, monkeypatch, capsys):
+    """--cases picks the cases (the warm-up takes the smallest); --host-times wraps HOST_TIMED's
+    functions on their classes for the run and reports, per case, each one's median microseconds
+    over the decode steps of every repeat (a step that makes no call counts 0); on a fake clock where
+    a step spends 300 us scheduling and 100 + 10 B us in the runner, of which 40 us in a nested
+    function at every other step; then unwraps them."""
+    clock, vocab = _Clock(), 5000
+
+    class Runner:
+        def execute_model(self, b, nested):
+            clock.now += (100 + 10 * b) * 1e-6
+            if nested:
+                self.sample(b)
+
+        def sample(self, b):
+            clock.now += 40e-6
+
+    class Scheduler:
+        def schedule(self):
+            clock.now += 300e-6
+    fake = SimpleNamespace(Runner=Runner, Scheduler=Scheduler)
+    originals = dict(vars(Runner))
+    monkeypatch.setitem(sys.modules, "fake_vllm_runner", fake)
+    monkeypatch.setattr(bench, "HOST_TIMED", ("fake_vllm_runner:Scheduler.schedule", "fake_vllm_runner:Runner.execute_model",
+                                              "fake_vllm_runner:Runner.sample", "fake_vllm_runner:Runner.missing",
+                                              "no_such_module:Runner.execute_model"))
+
+    class Engine:
+        runner, scheduler, n = Runner(), Scheduler(), 0
+
+        def get_num_unfinished_requests(self):
+            return 1
+
+        def step(self):
+            self.n += 1
+            self.scheduler.schedule()
+            self.runner.execute_model(self.b, self.n % 2)
+
+    class LLM:
+        llm_engine, calls = Engine(), []
+
+        def reset_prefix_cache(self):
+            pass
+
+        def generate(self, prompts, params, use_tqdm):
+            (n,) = set(params)
+            self.calls.append((len(prompts), len(prompts[0]["prompt_token_ids"]), n))
+            self.llm_engine.b = len(prompts)
+            for _ in range(n):
+                self.llm_engine.step()
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * n)]) for _ in prompts]
+    llm = LLM()
+    monkeypatch.setitem(sys.modules, "transformers", SimpleNamespace(
+        AutoTokenizer=SimpleNamespace(from_pretrained=lambda path: [None] * vocab)))
+    monkeypatch.setattr(bench, "build_llm", lambda args, engine, longest: llm)
+    monkeypatch.setattr(bench, "params_for", lambda engine, max_tokens: max_tokens)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    (tmp_path / "config.json").write_text("{}")
+    args = bench.parse_args(["--model", str(tmp_path), "--tail", "--cases", "4x8192,1x1024", "--host-times",
+                             "--repeats", "2", "--child", "plugin"])
+    bench.run_child(args)
+
+    assert llm.calls[0] == (1, 1024, 257)                                  # warm-up: the smallest case
+    assert llm.calls[1:] == [(b, ctx, n) for b, ctx in ((4, 8192), (1, 1024)) for _ in range(2) for n in (1, 257)]
+    result = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix("@@result "))
+    cases = result["cases"]
+    assert [(c["b"], c["ctx"]) for c in cases] == [(4, 8192), (1, 1024)]
+    for case in cases:
+        us = case["host_us"]
+        assert set(us) == {"Scheduler.schedule", "Runner.execute_model", "Runner.sample"}
+        assert us["Scheduler.schedule"] == pytest.approx(300)
+        assert us["Runner.execute_model"] == pytest.approx(100 + 10 * case["b"] + 20)   # median of x and x + 40
+        assert us["Runner.sample"] == pytest.approx(20)
+    assert dict(vars(Runner)) == originals and "schedule" in vars(Scheduler)    # unwrapped
+    Runner().execute_model(1, True)
+
+    rounds = [{"stock": result, "plugin": result}]
+    bench.print_tail(bench.tail_summary(rounds, ["stock", "plugin"]), ["stock", "plugin"])
+    printed = capsys.readouterr().out
+    assert "host us a decode step, B=4 context 8,192 (inclusive; engine in-process):" in printed
+    assert "  Runner.execute_model" + " " * 38 + "     160.0     160.0" in printed
