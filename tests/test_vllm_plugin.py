@@ -18,6 +18,7 @@ from true_on_policy.models import ModelConfig  # noqa: E402
 from true_on_policy.vllm import attention as va  # noqa: E402
 from true_on_policy import scheme  # noqa: E402
 from true_on_policy.vllm import sampling  # noqa: E402
+from true_on_policy.vllm.logprob_graphs import GraphedLogSoftmax  # noqa: E402
 from true_on_policy.scheme import tp_problems, valid_tp_sizes  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
@@ -312,6 +313,7 @@ def test_verl_preflight_and_vllm_admission_agree(settings):
 def _processor():
     proc = object.__new__(sampling.ContractLogProbs)
     proc.vocab_limit, proc.temperature, proc.truncation, proc.seeded, proc.rows = 90, {}, {}, {}, None
+    proc.graphed = GraphedLogSoftmax(90)
     return proc
 
 
@@ -388,6 +390,35 @@ def test_seeded_rows_are_pinned_alike_by_the_v1_and_v2_processors(monkeypatch):
     got = v2.apply(logits[[1, 0, 2]].clone(), SimpleNamespace(expanded_idx_mapping=torch.tensor([0, 3, 1]),
                                                              pos=torch.tensor([7, 7, 7])))
     assert torch.equal(got[0], want[1]) and torch.equal(got[1], want[0]) and torch.equal(got[2], logp[2])
+
+
+def test_the_input_batch_skips_the_output_ids_wait_for_our_processor_alone():
+    """vLLM asks every step for the sampled ids of the last one (a host wait under async scheduling)
+    when any custom processor is installed; with ours alone it does not, since a seeded draw needs
+    only how many tokens a request has (async scheduling's -1 placeholders give the same rows)."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+    assert getattr(InputBatch.__init__, "_true_on_policy", False)     # installed by importing sampling
+
+    def built(*procs):
+        def init(self):
+            self.logitsprocs, self.logitsprocs_need_output_token_ids = LogitsProcessors(procs), True
+        batch = SimpleNamespace()
+        sampling._no_output_ids_wait(init)(batch)
+        return batch.logitsprocs_need_output_token_ids
+    builtin = object.__new__(MinTokensLogitsProcessor)
+    assert built(_processor(), builtin) is False
+    assert built(builtin) is True                                      # no custom processor: vLLM's own flag
+    assert built(_processor(), object.__new__(type("Other", (MinTokensLogitsProcessor,), {}))) is True
+    seeded = sampling.sampling_params(0.7, logprobs=0, extra_args={scheme.SEED_KEY: [4, 2, 9, 0, 0]})
+    logits = torch.randn(1, 100) * 3
+    rows = []
+    for out in ([2, 7, 11], [-1, -1, -1]):                             # real ids, async placeholders
+        proc = _processor()
+        proc.update_state(BatchUpdate(1, removed=[], added=[(0, seeded, [1] * 5, out)], moved=[]))
+        rows.append(proc.apply(logits.clone()))
+    assert torch.equal(rows[0], rows[1])
 
 
 @pytest.mark.parametrize("extra, logprobs, match", [

@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable here (scripts/h200_vl
 import consistent_ops as co  # noqa: E402
 from true_on_policy import scheme  # noqa: E402
 from true_on_policy.vllm import sampling  # noqa: E402
+from true_on_policy.vllm.logprob_graphs import GraphedLogSoftmax  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
 
 co.set_backend("triton")
@@ -23,6 +24,7 @@ VLIM = 1000
 def _processor():
     proc = object.__new__(sampling.ContractLogProbs)
     proc.vocab_limit, proc.temperature, proc.truncation, proc.seeded, proc.rows = VLIM, {}, {}, {}, None
+    proc.graphed = GraphedLogSoftmax(VLIM)
     return proc
 
 
@@ -45,3 +47,21 @@ def test_row_rebuild_synchronises_nothing_and_rows_stay_the_contracts():
             torch.tensor([0.7, 1.3], device="cuda")
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_tail_step_replays_a_graph_that_synchronises_nothing():
+    """Rows neither seeded nor truncated, few of them: apply replays the row count's graph (captured
+    at its first step), synchronising nothing, and the rows are the contract's."""
+    proc = _processor()
+    proc.update_state(BatchUpdate(2, removed=[], added=[(0, sampling.sampling_params(0.7), [1], []),
+                                                        (1, sampling.sampling_params(1.0), [1], [])], moved=[]))
+    proc.apply(torch.randn(2, 1024, device="cuda"))                   # the capture
+    logits = torch.randn(2, 1024, device="cuda") * 3
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = proc.apply(logits.clone())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert list(proc.graphed.graphs) == [2]
+    assert torch.equal(out, co.log_softmax(logits, torch.tensor([0.7, 1.0], device="cuda"), VLIM))

@@ -12,5 +12,6 @@ The rules it shares with the verl adapter and the check live in true_on_policy.s
     model.py          TrueOnPolicyForCausalLM (models.CausalLM + vLLM plumbing)
     attention.py      backend over consistent_ops.attention_paged, KV layout
     sampling*.py      temperature scheme: contract log-probs as logits processor
+    logprob_graphs.py the processor's log-softmax as CUDA-graph replays (the tail)
     ascend.py         vLLM-Ascend specifics
 """
