@@ -457,7 +457,7 @@ def run_engine(args, engine, name=None):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # the child's own settings; a flag (--profile, --tail) only when set
     argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
-            if k not in ("json", "child", "engines", "rounds", "logs") and v is not False]
+            if k not in ("json", "child", "engines", "rounds", "logs") and v is not False and v is not None]
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", engine], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     tail = []

@@ -294,11 +294,15 @@ def test_the_child_gets_its_settings_and_flags(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--rounds", "2"]), "stock")
     assert "--tail" in argvs[0] and "--repeats=3" in argvs[0] and "--profile" not in argvs[0]
+    assert not [a for a in argvs[0] if a.endswith("=None") or a.startswith(("--cases", "--host-times"))]  # unset: absent
     assert not [a for a in argvs[0] if a.startswith(("--rounds", "--json", "--logs", "--engines"))]
     assert argvs[0][-2:] == ["--child", "stock"]
     Child.stdout = iter(['@@result {"engine": "stock"}\n'])
     bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--profile"]), "stock")
     assert "--profile" in argvs[1] and "--tail" not in argvs[1] and "--repeats=1" in argvs[1]
+    Child.stdout = iter(['@@result {"engine": "stock"}\n'])
+    bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--cases", "1x1024", "--host-times"]), "stock")
+    assert "--cases=1x1024" in argvs[2] and "--host-times" in argvs[2]
 
 
 def test_tail_with_profile_is_refused_in_one_line(tmp_path):
