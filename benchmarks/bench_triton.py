@@ -428,7 +428,8 @@ def probe_attention():
 def probe_decode_split():
     """The decode tail's paged launch alone (B=1 x 1k took 31 us a layer, B=1 x 32k 93 us in the
     48-layer step, 2026-12-03): graph-replayed us per call at B 1 / 4 and context 1k / 8k / 32k, by
-    page size and by table width (vLLM sizes the table by max_model_len: 40,960 tokens here, so 80
+    page size and by table width, and at B=16 x 32k and B=64 x 8k (the 48-layer B=64 x 8k step took
+    35.1 ms on the H200 with the decode tile, 30.4 with the forward's: 2026-12-05) at theirs (vLLM sizes the table by max_model_len: 40,960 tokens here, so 80
     KV chunks of programs, most returning at once), for a forward tile, KV chunk sizes and
     unsplit; bits against the default launch."""
     from consistent_ops.triton import attention as ta
@@ -442,8 +443,8 @@ def probe_decode_split():
     variants = {"default": {}, "rows 64": dict(tile=(64, 4, 3)), "rows 16 w4": dict(tile=(16, 4, 3)),
                 "unsplit": dict(split=False), "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}
     for page in (16,):          # page 32 gave the same times (2026-12-04)
-        for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768)):
-            for width in (ctx, 40960):
+        for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
+            for width in (ctx, 40960) if batch <= 4 else (ctx,):
                 kv = PagedKV(1, batch * width // page + 8, page, HKV, D, BF16, DEV)
                 kv.k[0].normal_(), kv.v[0].normal_()
                 _, _, bt, seq_lens, _ = kv.plan([(i, ctx) for i in range(batch)])
