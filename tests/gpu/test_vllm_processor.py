@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable here (scripts/h200_vl
 import consistent_ops as co  # noqa: E402
 from true_on_policy import scheme  # noqa: E402
 from true_on_policy.vllm import sampling  # noqa: E402
+from true_on_policy.vllm import logprob_graphs  # noqa: E402
 from true_on_policy.vllm.logprob_graphs import GraphedLogSoftmax  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
 
@@ -50,12 +51,12 @@ def test_row_rebuild_synchronises_nothing_and_rows_stay_the_contracts():
 
 
 def test_a_tail_step_replays_a_graph_that_synchronises_nothing():
-    """Rows neither seeded nor truncated, few of them: apply replays the row count's graph (captured
-    at its first step), synchronising nothing, and the rows are the contract's."""
+    """Rows neither seeded nor truncated, few of them: apply replays the row count's graph (every row
+    count's captured at the first step), synchronising nothing, and the rows are the contract's."""
     proc = _processor()
     proc.update_state(BatchUpdate(2, removed=[], added=[(0, sampling.sampling_params(0.7), [1], []),
                                                         (1, sampling.sampling_params(1.0), [1], [])], moved=[]))
-    proc.apply(torch.randn(2, 1024, device="cuda"))                   # the capture
+    proc.apply(torch.randn(2, 1024, device="cuda"))                   # the captures
     logits = torch.randn(2, 1024, device="cuda") * 3
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -63,5 +64,5 @@ def test_a_tail_step_replays_a_graph_that_synchronises_nothing():
         out = proc.apply(logits.clone())
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert list(proc.graphed.graphs) == [2]
+    assert len(proc.graphed.graphs) == logprob_graphs.MAX_ROWS          # all captured at the first step
     assert torch.equal(out, co.log_softmax(logits, torch.tensor([0.7, 1.0], device="cuda"), VLIM))
