@@ -3,6 +3,8 @@ scripts/h200_vllm_env.sh): a step that rebuilds the row settings (batch changed,
 truncation) synchronises nothing, so vLLM's async scheduling keeps the GPU fed; the rows stay
 the contract's. The companion: the copy it replaced (torch.tensor(..., device=cuda)) is
 flagged by the same sync check."""
+import contextlib
+
 import pytest
 import torch
 
@@ -29,25 +31,28 @@ def _processor():
     return proc
 
 
+@contextlib.contextmanager
+def _a_sync_raises():
+    """Any host-device synchronisation inside is a RuntimeError (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_row_rebuild_synchronises_nothing_and_rows_stay_the_contracts():
     proc, logits = _processor(), torch.randn(3, 1024, device="cuda") * 3
     key = {scheme.SEED_KEY: [1, 2, 3, 4, 0]}
     added = [(0, sampling.sampling_params(0.7), [1], []), (1, sampling.sampling_params(1.3, top_k=20), [1], []),
              (2, sampling.sampling_params(0.7, logprobs=0, extra_args=key), [1, 2], [5])]
     proc.update_state(BatchUpdate(3, removed=[], added=added, moved=[]))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _a_sync_raises():
         out = proc.apply(logits.clone())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(out[0], co.log_softmax(logits[:1], 0.7, VLIM)[0])
-    with pytest.raises(RuntimeError, match="synchroniz"):     # the companion: a blocking copy is seen
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            torch.tensor([0.7, 1.3], device="cuda")
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError, match="synchroniz"), _a_sync_raises():   # the companion: a blocking copy
+        torch.tensor([0.7, 1.3], device="cuda")
 
 
 def test_a_tail_step_replays_a_graph_that_synchronises_nothing():
@@ -58,11 +63,7 @@ def test_a_tail_step_replays_a_graph_that_synchronises_nothing():
                                                         (1, sampling.sampling_params(1.0), [1], [])], moved=[]))
     proc.apply(torch.randn(2, 1024, device="cuda"))                   # the captures
     logits = torch.randn(2, 1024, device="cuda") * 3
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _a_sync_raises():
         out = proc.apply(logits.clone())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert len(proc.graphed.graphs) == logprob_graphs.MAX_ROWS          # all captured at the first step
     assert torch.equal(out, co.log_softmax(logits, torch.tensor([0.7, 1.0], device="cuda"), VLIM))
