@@ -532,6 +532,12 @@ def test_moe_route_and_contributions(moe):
     assert torch.equal(T.moe_expert_contributions(x, ids, w, stack)[0], contrib)
     assert torch.equal(R.moe_expert_contributions(x, ids, w, stack)[0], contrib_ref)
     assert torch.equal(T.moe_expert_contributions(x, ids, w, stack, [0, 1, 2])[0], lo)
+    # the rollout's one call (a stack of every expert, no autograd): the two ops' bits, without the mask
+    with torch.no_grad():
+        assert torch.equal(T.moe_experts(x, ids, w, stack), T.moe_combine(contrib, x.dtype))
+    assert T.moe_experts(x, ids, w, experts) is None                   # per-expert tensors: the caller runs both
+    grad = co.ExpertStack(stack.gate_up.clone().requires_grad_(), stack.down, range(E))
+    assert T.moe_experts(x, ids, w, grad) is None                      # under autograd: the caller runs both
 
 
 def test_moe_gradients(moe):

@@ -11,7 +11,7 @@ from .attention import attention_paged, attention_varlen
 from .gemm import linear, row_parallel_partial
 from .kvcache import write_kv_cache
 from .logprobs import log_softmax, token_logprobs
-from .moe import moe_combine, moe_expert_contributions, moe_route
+from .moe import moe_combine, moe_expert_contributions, moe_experts, moe_route
 from .norm import add_rms_norm, rms_norm
 from .pointwise import embedding, finish_row_parallel, ordered_sum, rope_cos_sin, silu_mul
 from .prologue import qk_norm_rope

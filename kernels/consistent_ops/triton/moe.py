@@ -321,9 +321,10 @@ def _plan(ids, local, n_local, bm):
     return plan, key, n_tiles
 
 
-def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=False):
-    """contrib [T, k, H], owned [T, k] (and with save_gu what the backward takes: the rounded
-    gate/up outputs [T*k, 2I] in the plan's row order, that order and the rows' local keys)."""
+def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=False, owned=True):
+    """contrib [T, k, H], owned [T, k] (None without `owned`; and with save_gu what the backward
+    takes: the rounded gate/up outputs [T*k, 2I] in the plan's row order, that order and the rows'
+    local keys)."""
     t, k = ids.shape
     n_local, hidden, inter = wd.shape
     bm, gate_up, down = cfg or _moe_config(t * k)
@@ -355,7 +356,7 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=
     _down_kernel[(n_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
         h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter, n_local,
         h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, **EXACT)
-    out = contrib.view(t, k, hidden), (key < n_local).view(t, k)
+    out = contrib.view(t, k, hidden), (key < n_local).view(t, k) if owned else None
     return (*out, (gu, plan["order"], key)) if save_gu else out
 
 
@@ -511,6 +512,19 @@ def moe_expert_contributions(x, ids, weights, experts, local_experts=None):
     g, u, d = zip(*map(experts.__getitem__, local))
     return grouped_expert_contributions(x, ids, weights, torch.cat([torch.stack(g), torch.stack(u)], 1),
                                         torch.stack(d), local, every)
+
+
+def moe_experts(x, ids, weights, experts):
+    """consistent_ops.moe_experts for an ExpertStack of every expert, outside autograd (the rollout):
+    moe_combine(moe_expert_contributions(...)[0]) by the same kernels (the same bits) without the
+    ownership mask only a TP exchange reads: one launch fewer a layer (a compare kernel, ~1.4 us; 48
+    in the 48-layer B=1 decode step, H100 2026-12-05). None elsewhere (the caller runs the two)."""
+    tensors = (x, weights, experts.gate_up, experts.down) if isinstance(experts, ExpertStack) else ()
+    if (not tensors or experts.local != list(range(len(experts)))
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        return None
+    contrib, _ = _grouped_kernel(x, weights, experts.gate_up, experts.down, ids=ids, local=experts.local, owned=False)
+    return _combine(contrib, x.dtype)
 
 
 @triton.jit
