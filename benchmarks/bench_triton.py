@@ -353,9 +353,11 @@ def probe_linear():
 def probe_linear_decode():
     """The decode tail's GEMMs (M 1..16; B=1 spends 44 % of a 48-layer step in them): tiles with
     more, shorter programs (no split-K: the contract's one accumulator) against cuBLAS and the
-    tile in use, per layer shape; bits against the tile in use's rows."""
+    tile in use, per layer shape; bits against the tile in use's rows. K steps of 512: a program's K
+    walk is a chain (o_proj M 1: 16 steps of 256 in 9.9 us against cuBLAS's 7.6, H100 2026-12-05), and
+    the MMA's k16 steps keep their order at any BLOCK_K (the same bits)."""
     from consistent_ops.triton import gemm
-    tiles = [(16, bn, bk, 1, w, st, tma) for bn in (16, 32, 64) for bk in (128, 256) for w, st in ((4, 4), (4, 6), (2, 4))
+    tiles = [(16, bn, bk, 1, w, st, tma) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 4), (4, 6), (2, 4))
              for tma in (False, True)]
     for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048)), ("router", (2048, 128)),
                          ("lm_head", (2048, 151936))):
