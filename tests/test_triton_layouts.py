@@ -84,14 +84,20 @@ def float_reductions(ir):
     return [(op, layouts[enc]) for ty, op, enc in found if ty.startswith(("f", "bf"))]
 
 
-def attention_reductions(paged, split, rows, warps, stages):
+def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None):
+    """The forward kernel's TTGIR for the H200 in one launch form (its cubin built too)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
     from consistent_ops.triton import attention as ta
     const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=16 if paged else 1,
-                 PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split)
+                 PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
+                 FOLD_STAGES=fold_stages or ta._FOLD_STAGES)
     asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(), num_warps=warps, num_stages=stages).asm
     assert asm["cubin"]
-    return float_reductions(asm["ttgir"])
+    return asm["ttgir"]
+
+
+def attention_reductions(paged, split, rows, warps, stages):
+    return float_reductions(attention_ttgir(paged, split, rows, warps, stages))
 
 
 @pytest.mark.parametrize("tile", ["forward", "decode"])
@@ -124,3 +130,22 @@ def test_rms_norm_sums_along_its_layout():
     ir = compile_h200(norm._rms_norm_kernel, types, {"HAS_RES": False, "ROWS": rows, "BLOCK": block}, RMS_STRIDES,
                       num_warps=warps).asm["ttgir"]
     assert [op for op, _ in float_reductions(ir)] == ["arith.addf"]
+
+
+def state_reads(ttgir):
+    """(pipelined, plain) reads of the split launch's chunk states: the kernel's only L2-only (.cg)
+    loads, as async copies into shared memory (the software pipeline) or as plain loads."""
+    ops = re.findall(r"= (ttg\.async_copy_global_to_local|tt\.load) [^\n]*cache_?[mM]odifier = cg", ttgir)
+    return ops.count("ttg.async_copy_global_to_local"), ops.count("tt.load")
+
+
+def test_the_split_fold_reads_its_states_through_the_pipeline():
+    """The decode tail's fold (_fold_states) reads chunk states while earlier ones are folded: the
+    loop's loads are async copies, issued for at least two chunks ahead (the prologue's), where with
+    one stage (the companion) every read is a plain load, each fold step waiting on its own."""
+    from consistent_ops.contract import TRITON_TILES
+    tile = TRITON_TILES["attention"]["decode"]
+    pipelined, plain = state_reads(attention_ttgir(True, True, *tile))
+    unpiped, every = state_reads(attention_ttgir(True, True, *tile, fold_stages=1))
+    assert unpiped == 0 and plain > 0 and every == 2 * plain    # chunk 0's reads stay plain loads
+    assert pipelined >= 2 * plain

@@ -235,7 +235,7 @@ def test_split_launch_equals_unsplit_launch_after_launch(dtype, monkeypatch):
 
 
 @triton.jit
-def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr):
+def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr, STAGES: tl.constexpr):
     """_fold_states with the chunks in reverse order (the mutation the companion below runs)."""
     pa, pm, pl = _chunk_ptrs(WAcc, WML, n - 1, qrow, head, T, HQ, chunks, D)
     acc = tl.load(pa, mask=valid[:, None], other=0.0)

@@ -94,6 +94,9 @@ _LOG2E = 1.4426950408889634
 # 16k (144) 61 vs 44 %, B=64 x 8k (288) 63 vs 79 %, B=128 x 4k (576) 79 % unsplit: split below 2
 # programs an SM (264).
 _SPLIT_WAVES, _SPLIT_BYTES = 2, 256 << 20
+# The split fold's software pipeline (_fold_states): 4 stages keep two chunk states in flight while
+# one is folded, in the shared memory the key walk used (sm_90 compile: 37 KB a program either way).
+_FOLD_STAGES = 4
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head) pairs of any
 # launch the threshold splits (fewer than 2 an SM: 264 on the H200).
@@ -300,7 +303,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      stride_ot, stride_oh, stride_tab, tab_cols, pages, qk_scale,
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                     STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr):
+                     STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
+                     FOLD_STAGES: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
     seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
     if seq >= S:
@@ -336,7 +340,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
             # sequences longer than a table row; their outputs are never read)
             n = tl.minimum(last_pos // CHUNK + 1, tl.num_programs(2))
             if _last_to_arrive(Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), n):
-                acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D)
+                acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D,
+                                           FOLD_STAGES)
                 store = valid
     else:
         acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
@@ -393,18 +398,18 @@ def _load_state(WAcc, WML, c, qrow, head, valid, T, HQ, chunks, D: tl.constexpr)
 
 
 @triton.jit
-def _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr):
+def _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr, STAGES: tl.constexpr):
     """The chunk states 0 .. n-1 (n >= 2) of a split tile folded in chunk order: _attend_tile's
-    order and instructions. Returns the fold's acc, m and l. The next state is loaded before the
-    current one is folded: the fold is a serial chain, and without the prefetch each step waited
-    on its own loads (H200, 2026-12-04: B=1 x 32k 92 -> 82 us a launch, B=4 x 32k 189 -> 170)."""
+    order and instructions. Returns the fold's acc, m and l. The fold is a serial chain, and a step
+    that waits on its own loads takes a round trip to L2 (~0.75 us a chunk on the H100, 2026-12-05:
+    B=1 x 32k, 64 chunks, 67 us a launch, 8k 31 us): the states are read through the software
+    pipeline instead (cp.async into shared memory, STAGES - 2 chunks ahead of the one folded;
+    tests/test_triton_layouts.py checks that the compiler does)."""
     acc, m, l = _load_state(WAcc, WML, 0, qrow, head, valid, T, HQ, chunks, D)
     m = tl.where(valid, m, 0.0)          # invalid rows: finite, never stored
     l = tl.where(valid, l, 1.0)
-    nacc, nm, nl = _load_state(WAcc, WML, 1, qrow, head, valid, T, HQ, chunks, D)
-    for c in range(1, n):
-        cacc, cm, cl = nacc, nm, nl
-        nacc, nm, nl = _load_state(WAcc, WML, tl.minimum(c + 1, n - 1), qrow, head, valid, T, HQ, chunks, D)
+    for c in tl.range(1, n, num_stages=STAGES):
+        cacc, cm, cl = _load_state(WAcc, WML, c, qrow, head, valid, T, HQ, chunks, D)
         acc, m, l = _fold(acc, m, l, cacc, cm, cl)
     return acc, m, l
 
@@ -677,12 +682,12 @@ def _warn_unsplit_capture(device):
 
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
-             chunk=None):
+             chunk=None, fold_stages=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
     tests only: the same bits either way); chunk: keys a KV chunk other than the contract's
-    (probes only: other bits)."""
+    (probes only: other bits); fold_stages: the split fold's pipeline stages (probes: the same bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -721,7 +726,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
         tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=chunk, PAGE=page, PAGED=paged,
-        STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, num_warps=warps, num_stages=stages, **EXACT)
+        STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
+        num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
