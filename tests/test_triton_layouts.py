@@ -149,3 +149,29 @@ def test_the_split_fold_reads_its_states_through_the_pipeline():
     unpiped, every = state_reads(attention_ttgir(True, True, *tile, fold_stages=1))
     assert unpiped == 0 and plain > 0 and every == 2 * plain    # chunk 0's reads stay plain loads
     assert pipelined >= 2 * plain
+
+
+LOGPROB_TYPES = {"Z": "*fp32", "Temp": "*fp32", "Mx": "*fp32", "Acc": "*fp32", "Out": "*fp32"}
+
+
+def vocabulary_copies(which, divisible):
+    """The sizes (bytes, as PTX writes them) of the async copies in a log-softmax pass compiled for
+    the H200; divisible: what the launcher marks divisible by 16 (never vlim here: Qwen3's tokenizer
+    limit, 151,669, is no multiple of 16)."""
+    from consistent_ops.triton import logprobs as lp
+    kernel, const, warps = {"max": (lp._lane_max_kernel, dict(LANES=256), 2),
+                            "sum": (lp._lane_sum_kernel, dict(LANES=256, GB=16), 2),
+                            "out": (lp._log_softmax_kernel, dict(GB=16), 8)}[which]
+    const = dict(const, BLOCK=lp._BLOCK, STAGES=lp._STAGES)
+    ptx = compile_h200(kernel, LOGPROB_TYPES, const, divisible, num_warps=warps).asm["ptx"]
+    return sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)))
+
+
+@pytest.mark.parametrize("which", ["max", "sum", "out"])
+def test_the_vocabulary_walks_read_vectors_through_the_pipeline(which):
+    """Log-softmax passes 1-3 read the logits 16 bytes a copy, asynchronously (ahead of the block
+    reduced or written), with a tokenizer limit that is no multiple of 16: the load is masked by the
+    row's width and the limit applied after (masked by the limit, every column was a load of its own).
+    The companion: a row width that is no multiple of 16 reads 4 bytes a copy."""
+    assert vocabulary_copies(which, {"stride_z", "stride_o", "V"}) == ["0x10"]
+    assert vocabulary_copies(which, {"stride_z", "stride_o"}) == ["0x4"]

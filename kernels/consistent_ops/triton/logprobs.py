@@ -25,6 +25,10 @@ _BLOCK, _WARPS = TRITON_TILES["logprob_block"], TRITON_TILES["logprob_finish_war
 # Lane groups: at least _LANES_MIN lanes a program; programs up to 2 waves of the H200's SMs.
 _LANES_MIN, _PROGRAMS = 256, 2 * 132
 _GROUPS_MAX = _BLOCK // _LANES_MIN    # the maxima's width read back (masked): one compiled finish
+# The vocabulary walks read through Triton's software pipeline (cp.async, two blocks ahead of the one
+# reduced or written): a program of the decode tail walks ~37 blocks of a row one after another, and a
+# plain loop waited on each block's read. The same instructions on the same values: the same bits.
+_STAGES = 4
 
 
 def lane_groups(rows):
@@ -39,21 +43,24 @@ def lane_groups(rows):
 
 
 @triton.jit
-def _z(Row, cols, vlim, t):
-    """z = logits / T for these columns; columns >= vocab_limit are -inf (excluded)."""
-    x = tl.load(Row + cols, mask=cols < vlim, other=float("-inf")).to(tl.float32)
-    return tl.div_rn(x, t)
+def _z(Row, cols, V, vlim, t):
+    """z = logits / T for these columns of a row of V; columns >= vocab_limit are -inf (excluded).
+    The load is masked by V and the limit applied after: a real tokenizer's limit (Qwen3's 151,669)
+    is no multiple of a vector's width, and masking the load by it read every column alone."""
+    x = tl.load(Row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    return tl.div_rn(tl.where(cols < vlim, x, float("-inf")), t)
 
 
 @triton.jit
-def _lane_max_kernel(Z, Temp, Mx, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr):
+def _lane_max_kernel(Z, Temp, Mx, V, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr,
+                     STAGES: tl.constexpr):
     """Pass 1 over one run of lanes: Mx[row, group] = max z over them (exact in any order)."""
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(Temp + row * stride_t)
     lanes = group * LANES + tl.arange(0, LANES)
     mx = tl.full([LANES], float("-inf"), tl.float32)
-    for c0 in range(0, vlim, BLOCK):
-        mx = tl.maximum(mx, _z(Z + row * stride_z, c0 + lanes, vlim, t))
+    for c0 in tl.range(0, vlim, BLOCK, num_stages=STAGES):
+        mx = tl.maximum(mx, _z(Z + row * stride_z, c0 + lanes, V, vlim, t))
     tl.store(Mx + row * tl.num_programs(1) + group, tl.max(mx, 0))
 
 
@@ -64,16 +71,16 @@ def _row_max(Mx, row, groups, GB: tl.constexpr):
 
 
 @triton.jit
-def _lane_sum_kernel(Z, Temp, Mx, Acc, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr,
-                     GB: tl.constexpr):
+def _lane_sum_kernel(Z, Temp, Mx, Acc, V, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr,
+                     GB: tl.constexpr, STAGES: tl.constexpr):
     """Pass 2 over one run of lanes: each lane's sum of exp(z - m) over the blocks, in order."""
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(Temp + row * stride_t)
     m = _row_max(Mx, row, tl.num_programs(1), GB)
     lanes = group * LANES + tl.arange(0, LANES)
     acc = tl.zeros([LANES], tl.float32)
-    for c0 in range(0, vlim, BLOCK):
-        acc += exp32(_z(Z + row * stride_z, c0 + lanes, vlim, t) - m)
+    for c0 in tl.range(0, vlim, BLOCK, num_stages=STAGES):
+        acc += exp32(_z(Z + row * stride_z, c0 + lanes, V, vlim, t) - m)
     tl.store(Acc + row * BLOCK + lanes, acc)
 
 
@@ -85,15 +92,15 @@ def _row_lse(Mx, Acc, row, groups, BLOCK: tl.constexpr, GB: tl.constexpr):
 
 @triton.jit
 def _log_softmax_kernel(Z, Temp, Mx, Acc, Out, V, vlim, groups, stride_z, stride_o, stride_t,
-                        BLOCK: tl.constexpr, GB: tl.constexpr):
+                        BLOCK: tl.constexpr, GB: tl.constexpr, STAGES: tl.constexpr):
     """Pass 3: logp = (z - m) - lse over blocks part, part + parts, ... of the row."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(Temp + row * stride_t)
     m, lse = _row_lse(Mx, Acc, row, groups, BLOCK, GB)
     cols = tl.arange(0, BLOCK)
-    for c0 in range(tl.program_id(1) * BLOCK, V, tl.num_programs(1) * BLOCK):
+    for c0 in tl.range(tl.program_id(1) * BLOCK, V, tl.num_programs(1) * BLOCK, num_stages=STAGES):
         c = c0 + cols
-        tl.store(Out + row * stride_o + c, (_z(Z + row * stride_z, c, vlim, t) - m) - lse, mask=c < V)
+        tl.store(Out + row * stride_o + c, (_z(Z + row * stride_z, c, V, vlim, t) - m) - lse, mask=c < V)
 
 
 @triton.jit
@@ -122,10 +129,10 @@ def _row_passes(z, t, st, vlim, groups=None):
     mx = torch.empty((rows, groups), dtype=torch.float32, device=z.device)
     acc = torch.empty((rows, _BLOCK), dtype=torch.float32, device=z.device)
     warps = max(2, min(8, lanes // 512))
-    _lane_max_kernel[(rows, groups)](z, t, mx, vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
-                                     num_warps=warps, **EXACT)
-    _lane_sum_kernel[(rows, groups)](z, t, mx, acc, vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
-                                     GB=_GROUPS_MAX, num_warps=warps, **EXACT)
+    _lane_max_kernel[(rows, groups)](z, t, mx, z.shape[1], vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
+                                     STAGES=_STAGES, num_warps=warps, **EXACT)
+    _lane_sum_kernel[(rows, groups)](z, t, mx, acc, z.shape[1], vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
+                                     GB=_GROUPS_MAX, STAGES=_STAGES, num_warps=warps, **EXACT)
     return mx, acc, groups
 
 
@@ -141,7 +148,7 @@ def _token_logprob_bwd_kernel(Z, Temp, Ids, M, LSE, G, DZ, V, vlim, stride_z, st
     cols = tl.arange(0, BLOCK)
     for c0 in range(0, V, BLOCK):
         c = c0 + cols
-        p = tl.exp((_z(Z + row * stride_z, c, vlim, t) - m) - lse)
+        p = tl.exp((_z(Z + row * stride_z, c, V, vlim, t) - m) - lse)
         tl.store(DZ + row * stride_dz + c, (tl.where(c == tok, 1.0, 0.0) - p) * gt, mask=c < V)
 
 
@@ -163,7 +170,7 @@ def _log_softmax_kernel_call(logits, temperature, vocab_limit, groups=None):
     mx, acc, groups = _row_passes(z, t, st, vlim, groups)
     parts = min(triton.cdiv(v, _BLOCK), max(1, _PROGRAMS // rows)) if not ASCEND else 1
     _log_softmax_kernel[(rows, parts)](z, t, mx, acc, out, v, vlim, groups, z.stride(0), out.stride(0), st,
-                                       BLOCK=_BLOCK, GB=_GROUPS_MAX, num_warps=_WARPS, **EXACT)
+                                       BLOCK=_BLOCK, GB=_GROUPS_MAX, STAGES=_STAGES, num_warps=_WARPS, **EXACT)
     return out.view(logits.shape)
 
 
