@@ -1,6 +1,8 @@
 """The layout a Triton reduction runs on decides its tree, so its bits: the fused attention prologue
 (triton/prologue.py) reduces a head's sum of squares on the layout rms_norm's kernel reduces it on,
-read from the installed Triton's output for the H200 (sm_90), compiled on the CPU (no GPU needed)."""
+read from the installed Triton's output for the H200 (sm_90), compiled on the CPU (no GPU needed);
+and the same output shows which reads the software pipeline makes async copies (the decode tail's
+fold, the log-softmax's vocabulary walks) and how wide they are."""
 import re
 
 import pytest
