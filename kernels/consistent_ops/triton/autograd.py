@@ -33,9 +33,14 @@ class _Recompute(torch.autograd.Function):
                                     for t in inputs])
 
 
+def needs_grad(*tensors):
+    """Whether autograd records an op on these tensors (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def with_torch_grad(kernel, formula, tensors, **static):
     """kernel(*tensors, **static) in forward; formula (same signature, differentiable
     PyTorch) supplies the gradient. Without autograd the kernel runs bare."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         return _Recompute.apply(kernel, formula, static, *tensors)
     return kernel(*tensors, **static)

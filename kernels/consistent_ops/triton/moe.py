@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..contract import TRITON_TILES
 from ..experts import ExpertStack
-from .autograd import with_torch_grad
+from .autograd import needs_grad, with_torch_grad
 from .common import ASCEND as _ASCEND, EXACT, INTERPRET as _INTERPRET, exp32
 from .gemm import linear
 
@@ -495,7 +495,7 @@ def grouped_expert_contributions(x, ids, weights, w_gate_up, wd, local_ids, ever
     the experts local_ids (L ints), read in place; every: ids name local experts only (the
     backward then needs no host sync)."""
     local = [int(e) for e in local_ids]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, w_gate_up, wd)):
+    if needs_grad(x, weights, w_gate_up, wd):
         return _GroupedExperts.apply(x, weights, w_gate_up, wd, ids, local, every)
     return _grouped_kernel(x, weights, w_gate_up, wd, ids=ids, local=local)
 
@@ -519,9 +519,8 @@ def moe_experts(x, ids, weights, experts):
     moe_combine(moe_expert_contributions(...)[0]) by the same kernels (the same bits) without the
     ownership mask only a TP exchange reads: one launch fewer a layer (a compare kernel, ~1.4 us; 48
     in the 48-layer B=1 decode step, H100 2026-12-05). None elsewhere (the caller runs the two)."""
-    tensors = (x, weights, experts.gate_up, experts.down) if isinstance(experts, ExpertStack) else ()
-    if (not tensors or experts.local != list(range(len(experts)))
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+    if (not isinstance(experts, ExpertStack) or experts.local != list(range(len(experts)))
+            or needs_grad(x, weights, experts.gate_up, experts.down)):
         return None
     contrib, _ = _grouped_kernel(x, weights, experts.gate_up, experts.down, ids=ids, local=experts.local, owned=False)
     return _combine(contrib, x.dtype)

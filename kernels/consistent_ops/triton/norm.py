@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ..contract import TRITON_TILES
+from .autograd import needs_grad
 from .common import EXACT
 
 _ELEMENTS = TRITON_TILES["rms_norm_elements"]   # elements per program: a row of H >= 2048, else 2048 / H rows
@@ -137,12 +138,8 @@ class _RMSNorm(torch.autograd.Function):
         return dx, dx if ctx.fused else None, dw, None
 
 
-def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def rms_norm(x, weight, eps):
-    if _needs_grad(x, weight):
+    if needs_grad(x, weight):
         return _RMSNorm.apply(x, None, weight, eps)
     return _launch(x, None, weight, eps)[0]
 
@@ -151,6 +148,6 @@ def add_rms_norm(x, residual, weight, eps):
     """residual' = x + residual in the activation dtype; returns (rms_norm(residual'), residual')."""
     if residual is None:
         return rms_norm(x, weight, eps), x
-    if _needs_grad(x, residual, weight):
+    if needs_grad(x, residual, weight):
         return _RMSNorm.apply(x, residual, weight, eps)
     return _launch(x, residual, weight, eps)

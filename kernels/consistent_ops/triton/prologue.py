@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from .common import EXACT
-from .norm import _inv_rms, _needs_grad, _normed, _shape
+from .autograd import needs_grad
+from .norm import _inv_rms, _normed, _shape
 from .rope import _rotate
 
 
@@ -76,7 +77,7 @@ def _addressed(q, k, v, cos, sin):
 def qk_norm_rope(q, k, v, q_norm, k_norm, eps, cos, sin):
     """consistent_ops.qk_norm_rope in one launch where _addressed and no gradient is needed (the same
     bits as rms_norm then apply_rope, and v.contiguous()); None elsewhere (the caller runs those)."""
-    if not _addressed(q, k, v, cos, sin) or _needs_grad(q, k, v, q_norm, k_norm):
+    if not _addressed(q, k, v, cos, sin) or needs_grad(q, k, v, q_norm, k_norm):
         return None
     (t, hq, d), hkv = q.shape, k.shape[1]
     rows, block, warps = _shape(d)
