@@ -245,6 +245,12 @@ class StepTimes:
                 for _, name in self.BUCKETS if name in self.spent}
 
 
+def key_medians(rows, scale=1.0):
+    """[{key: value}] -> {key: median value * scale} (0 where a row lacks the key)."""
+    keys = dict.fromkeys(key for row in rows for key in row)
+    return {key: statistics.median(row.get(key, 0.0) for row in rows) * scale for key in keys}
+
+
 class HostTimes:
     """Inclusive host wall time of HOST_TIMED's functions, per engine step: each is wrapped on its
     class (so every instance, engine core included when it runs in this process); end_step() closes
@@ -277,12 +283,6 @@ class HostTimes:
     def end_step(self):
         self.steps.append(dict(self.current))
         self.current.clear()
-
-    @staticmethod
-    def medians_us(steps):
-        """[{function: seconds}] -> {function: median microseconds a step} (0 where a step had no call)."""
-        names = dict.fromkeys(name for step in steps for name in step)
-        return {name: statistics.median(step.get(name, 0.0) for step in steps) * 1e6 for name in names}
 
     def close(self):
         for cls, name, inner in self.wrapped:
@@ -341,7 +341,7 @@ def time_tail(llm, engine, repeats, vocab, cases=TAIL_CASES, host_times=False):
     median of the long generate's last TAIL_DECODE engine steps (one hiccup, e.g. a compilation,
     moves it by a step at most); decode_ms_difference the two generates' difference per step
     (the measure before 2026-12-05, which such a hiccup in either generate skews). With
-    host_times, host_us: HostTimes' medians over those steps of every repeat."""
+    host_times, host_us: the medians of HostTimes' steps (those steps of every repeat), us."""
     host = HostTimes() if host_times else None
     steps = StepTimes(llm.llm_engine, host.end_step if host else None)
     out = []
@@ -365,7 +365,7 @@ def time_tail(llm, engine, repeats, vocab, cases=TAIL_CASES, host_times=False):
             print(f"[{engine}] tail B={b} context={ctx} repeat {i + 1}/{repeats}: prefill {short:.3f} s, "
                   f"decode {case['decode_ms'][-1]:.3f} ms/step", flush=True)
         if host:
-            case["host_us"] = HostTimes.medians_us(decoded)
+            case["host_us"] = key_medians(decoded, 1e6)      # us a step
         out.append(case)
     steps.close()
     if host:
@@ -556,8 +556,7 @@ def tail_summary(rounds, engines):
             row[engine] = {"decode_ms": ms, "decode_tokens_per_s": b * 1e3 / ms,
                            "prefill_s": statistics.median(x for c in runs for x in c["prefill_s"])}
             if "host_us" in runs[0]:
-                row[engine]["host_us"] = HostTimes.medians_us([{f: us / 1e6 for f, us in c["host_us"].items()}
-                                                               for c in runs])
+                row[engine]["host_us"] = key_medians([c["host_us"] for c in runs])
         if {"stock", "plugin"} <= set(engines):
             row["plugin_speed"] = row["stock"]["decode_ms"] / row["plugin"]["decode_ms"]
             row["plugin_speed_per_round"] = [statistics.median(r["stock"]["cases"][k]["decode_ms"])
