@@ -86,13 +86,13 @@ def float_reductions(ir):
     return [(op, layouts[enc]) for ty, op, enc in found if ty.startswith(("f", "bf"))]
 
 
-def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None):
+def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True):
     """The forward kernel's TTGIR for the H200 in one launch form (its cubin built too)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
     from consistent_ops.triton import attention as ta
     const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=16 if paged else 1,
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
-                 FOLD_STAGES=fold_stages or ta._FOLD_STAGES)
+                 FOLD_STAGES=fold_stages or ta._FOLD_STAGES, OFF32=paged and off32)
     asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(), num_warps=warps, num_stages=stages).asm
     assert asm["cubin"]
     return asm["ttgir"]
@@ -123,6 +123,17 @@ def test_a_16_row_tile_of_4_warps_sums_across_warps():
     tree, the tile that gave other bits on the H200 (2026-12-04)."""
     found = attention_reductions(True, True, 16, 4, 3)
     assert any("warpsPerCTA = [1, 4]" in layout for op, layout in found if op == "arith.addf")
+
+
+@pytest.mark.parametrize("off32", [True, False])
+def test_the_decode_walk_addresses_the_cache_in_int32_where_it_fits(off32):
+    """The key walk's K/V row offsets (a [64 keys] column of the paged cache's blocks) are int32
+    where the cache's offsets fit int32 (sm_90 compile, 2026-12-06: 857 vs 1,149 SASS instructions a
+    key block), int64 otherwise (the companion)."""
+    from consistent_ops.contract import TRITON_TILES
+    ir = attention_ttgir(True, True, *TRITON_TILES["attention"]["decode"], off32=off32)
+    offsets = set(re.findall(r"tt\.addptr %\S+, %\S+ : tensor<64x1x!tt\.ptr<bf16>, #\w+>, tensor<64x1x(i\d+)", ir))
+    assert offsets == ({"i32"} if off32 else {"i64"})
 
 
 def test_rms_norm_sums_along_its_layout():

@@ -218,6 +218,17 @@ def _decode_tail(dtype):
             torch.tensor([200, 30, 130, 0], **i32), table, D ** -0.5, True)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_int64_cache_offsets_give_the_same_bits(split):
+    """A cache whose element offsets pass int32 is addressed in 64 bits (the same bits: only the
+    addresses' arithmetic differs); the small caches of every other test take int32."""
+    from consistent_ops.triton import attention as ta
+    args = _decode_tail(BF16)
+    assert torch.equal(ta._forward(*args, split=split, off32=False), ta._forward(*args, split=split))
+    big, small = (torch.empty(n, 16, HKV, D, dtype=BF16, device="meta") for n in (2 ** 31 // (16 * HKV * D), 64))
+    assert not ta._fits_int32(small, big) and ta._fits_int32(small, small)
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 def test_split_launch_equals_unsplit_launch_after_launch(dtype, monkeypatch):
     """The decode tail's split launch (a program per (tile, KV chunk), the tile's last program to

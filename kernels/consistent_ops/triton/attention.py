@@ -105,30 +105,36 @@ _COUNTERS, _COUNTER_SLOTS = {}, 1 << 14
 
 @triton.jit
 def _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, PAGE: tl.constexpr,
-              PAGED: tl.constexpr):
-    """Storage row of key positions kpos. Positions past the sequence are clamped to
-    its last key (always written, so finite); the mask excludes them later. Paged: the
-    table column and the page id are clamped into the table and the cache, so metadata
-    that no real step has (vLLM's capture and memory-profiling dummies: empty or stale
-    tables, sequences longer than a table row) reads inside them; real steps never clamp."""
-    kpos = tl.maximum(tl.minimum(kpos, seq_len - 1), 0)
+              PAGED: tl.constexpr, OFF32: tl.constexpr, MASK: tl.constexpr):
+    """Storage row of key positions kpos. In a masked block, positions past the sequence are
+    clamped to its last key (always written, so finite); the mask excludes them later (an unmasked
+    block lies inside the sequence). Paged: the table column and the page id are clamped into the
+    table and the cache, so metadata that no real step has (vLLM's capture and memory-profiling
+    dummies: empty or stale tables, sequences longer than a table row) reads inside them; real
+    steps never clamp."""
+    if MASK:
+        kpos = tl.maximum(tl.minimum(kpos, seq_len - 1), 0)
     if PAGED:
         page = tl.load(Table + seq * stride_tab + tl.minimum(kpos // PAGE, tab_cols - 1))
         page = tl.minimum(tl.maximum(page, 0), pages - 1)
-        return page.to(tl.int64) * PAGE + kpos % PAGE
+        if OFF32:  # every element offset of the cache fits int32: half the address arithmetic
+            row = page * PAGE + kpos % PAGE
+        else:
+            row = page.to(tl.int64) * PAGE + kpos % PAGE
+        return row
     else:
         return row0 + kpos.to(tl.int64)
 
 
 @triton.jit
 def _block_rows(kpos, seq, seq_len, row0, first, col, Table, stride_tab, tab_cols, pages, PAGE: tl.constexpr,
-                PAGED: tl.constexpr, TMA: tl.constexpr):
+                PAGED: tl.constexpr, TMA: tl.constexpr, OFF32: tl.constexpr, MASK: tl.constexpr):
     """Where a key block lies: its storage rows (_key_rows), or for bulk copies of packed
     K/V the (row, column) of its first element (rows past the sequence are masked later)."""
     if TMA:
         return (row0 + first).to(tl.int32), col
     else:
-        return _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, PAGE, PAGED)
+        return _key_rows(kpos, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, PAGE, PAGED, OFF32, MASK)
 
 
 @triton.jit
@@ -166,8 +172,8 @@ def _fresh(ROWS: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V, stride_k, stride_v, Table,
           stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
-          CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, MASK: tl.constexpr,
-          FOLD: tl.constexpr):
+          CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, OFF32: tl.constexpr,
+          MASK: tl.constexpr, FOLD: tl.constexpr):
     """Key blocks j_lo .. j_hi - 1 of the contract's walk, in ONE loop (a loop a chunk would restart
     the software pipeline every CHUNK // KV blocks). FOLD: at the first block of every chunk but
     chunk 0, the state (acc, m, l) of the chunk before is folded into (facc, fm, fl) and restarts;
@@ -180,7 +186,7 @@ def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V
                 acc, m, l = _fresh(ROWS, D)
         kpos = j * KV + offs
         krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
-                           PAGE, PAGED, TMA)
+                           PAGE, PAGED, TMA, OFF32, MASK)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
                                   qk_scale, D, MASK, TMA)
     return facc, fm, fl, acc, m, l
@@ -189,7 +195,8 @@ def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V
 @triton.jit
 def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v, Table, stride_tab,
                   tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
-                  CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr):
+                  CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
+                  OFF32: tl.constexpr):
     """The contract's walk over the key blocks of KV chunk c, from a fresh state: blocks
     below n_full are seen whole by every row of the tile (no mask), blocks from n_blocks on
     by none. Returns the chunk's unnormalised acc, row max m and sum l."""
@@ -198,10 +205,10 @@ def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride
     j1 = tl.minimum(j0 + CHUNK // KV, n_blocks)
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, j0, tl.minimum(j1, n_full), q, qpos, seq, seq_len, row0, K, V,
                                stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
-                               CHUNK, PAGE, PAGED, TMA, False, False)
+                               CHUNK, PAGE, PAGED, TMA, OFF32, False, False)
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, tl.maximum(j0, n_full), j1, q, qpos, seq, seq_len, row0, K, V,
                                stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
-                               CHUNK, PAGE, PAGED, TMA, True, False)
+                               CHUNK, PAGE, PAGED, TMA, OFF32, True, False)
     return acc, m, l
 
 
@@ -223,7 +230,7 @@ def _fold(facc, fm, fl, acc, m, l):
 def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
                  Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr,
                  KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                 TMA: tl.constexpr):
+                 TMA: tl.constexpr, OFF32: tl.constexpr):
     """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
     lie in [first_pos, last_pos], chunk by chunk, folded in order. Returns the unnormalised
     acc, the row max m and sum l of the fold."""
@@ -233,10 +240,10 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
     acc, m, l = _fresh(ROWS, D)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, 0, n_full, q, qpos, seq, seq_len, row0, K, V, stride_k,
                                     stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV, CHUNK,
-                                    PAGE, PAGED, TMA, False, True)
+                                    PAGE, PAGED, TMA, OFF32, False, True)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, n_full, n_blocks, q, qpos, seq, seq_len, row0, K, V,
                                     stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
-                                    CHUNK, PAGE, PAGED, TMA, True, True)
+                                    CHUNK, PAGE, PAGED, TMA, OFF32, True, True)
     return _fold(facc, fm, fl, acc, m, l)
 
 
@@ -304,7 +311,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
-                     FOLD_STAGES: tl.constexpr):
+                     FOLD_STAGES: tl.constexpr, OFF32: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
     seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
     if seq >= S:
@@ -329,7 +336,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
     if SPLIT:
         acc, m, l = _attend_chunk(c, q, qpos, seq, seq_len, q0.to(tl.int64), (first_pos + 1) // KV, last_pos // KV + 1,
                                   Kh, Vh, stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D,
-                                  ROWS, D, KV, CHUNK, PAGE, PAGED, TMA)
+                                  ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32)
         # a tile of several chunks: its state, folded by the tile's last program; of one: its output
         several = (qpos * 0 + last_pos) >= CHUNK       # per row (a scalar mask is not one on every backend)
         hq = G * tl.num_programs(1)
@@ -346,7 +353,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
     else:
         acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
                                  stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS,
-                                 D, KV, CHUNK, PAGE, PAGED, TMA)
+                                 D, KV, CHUNK, PAGE, PAGED, TMA, OFF32)
     # 4. out = acc / l (IEEE division), rounded to the input dtype
     out = tl.div_rn(acc, l[:, None])
     tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -681,13 +688,19 @@ def _warn_unsplit_capture(device):
                 device)
 
 
+def _fits_int32(*caches):
+    """Whether every element offset of these paged caches (from their KV head's base) fits int32."""
+    return all(c.shape[0] * c.stride(0) < 2 ** 31 for c in caches)
+
+
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
-             chunk=None, fold_stages=None):
+             chunk=None, fold_stages=None, off32=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
     tests only: the same bits either way); chunk: keys a KV chunk other than the contract's
-    (probes only: other bits); fold_stages: the split fold's pipeline stages (probes: the same bits)."""
+    (probes only: other bits); fold_stages: the split fold's pipeline stages (probes: the same bits);
+    off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -727,6 +740,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=chunk, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
+        OFF32=paged and (_fits_int32(k, v) if off32 is None else off32),
         num_warps=warps, num_stages=stages, **EXACT)
     return o
 
