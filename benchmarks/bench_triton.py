@@ -452,8 +452,9 @@ def probe_decode_split():
     # other bits) ask how many more programs buy at decode, against a longer fold. "stages 5": the
     # walk's K/V copies two key blocks ahead (3 and 4 stages wait for the next block's: sm_90
     # compile, 2026-12-05); "fold N": the split fold's pipeline stages (default 4; 2: one state ahead,
-    # as the hand-written prefetch before 2026-12-05); "int64": the cache's offsets in 64 bits (as
-    # before 2026-12-06: 1,149 vs 857 SASS instructions a key block). All of these keep the bits.
+    # as the hand-written prefetch before 2026-12-05); "int64": the cache's offsets in 64 bits (a
+    # cache past int32; sm_90 compile: 948 vs 811 SASS instructions a key block, 1,149 before
+    # 2026-12-06). All of these keep the bits.
     variants = {"default": {}, "rows 64": dict(tile=(64, 4, 3)), "rows 16 w4": dict(tile=(16, 4, 3)),
                 "stages 5": dict(tile=(16, 1, 5)), "fold 2": dict(fold_stages=2), "fold 6": dict(fold_stages=6),
                 "int64": dict(off32=False),

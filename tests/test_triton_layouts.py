@@ -128,7 +128,7 @@ def test_a_16_row_tile_of_4_warps_sums_across_warps():
 @pytest.mark.parametrize("off32", [True, False])
 def test_the_decode_walk_addresses_the_cache_in_int32_where_it_fits(off32):
     """The key walk's K/V row offsets (a [64 keys] column of the paged cache's blocks) are int32
-    where the cache's offsets fit int32 (sm_90 compile, 2026-12-06: 857 vs 1,149 SASS instructions a
+    where the cache's offsets fit int32 (sm_90 compile, 2026-12-06: 811 vs 948 SASS instructions a
     key block), int64 otherwise (the companion)."""
     from consistent_ops.contract import TRITON_TILES
     ir = attention_ttgir(True, True, *TRITON_TILES["attention"]["decode"], off32=off32)

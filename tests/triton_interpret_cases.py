@@ -121,6 +121,23 @@ def test_attention_paths_bitwise_equal(qkv, kv_chunks):
     assert torch.equal(torch.stack([got[i] for i in range(a + b)]), train)
 
 
+@pytest.mark.parametrize("page", [32, 128, 48])
+def test_page_sizes_give_the_same_bits(qkv, kv_chunks, page):
+    """Pages that split a key block (32), hold several (128) or neither (48: one table lookup a key,
+    not a run): the prefill, then decode steps, equal the trainer's bits; NaN in every unwritten slot."""
+    q, k, v = qkv
+    a, b = LENS
+    train = T.attention_varlen(q, k, v, _cu(LENS))
+    c = Cache(page=page, pages=2 * -(-(b + 4) // page))
+    rows = list(range(a - 4)) + list(range(a, a + b - 4))
+    out = [c.step(q[rows], k[rows], v[rows], [(0, a - 4), (1, b - 4)])]
+    for i in range(4, 0, -1):
+        out.append(c.step(q[[a - i, a + b - i]], k[[a - i, a + b - i]], v[[a - i, a + b - i]], [(0, 1), (1, 1)]))
+    got = torch.cat(out)
+    order = rows + [r for i in range(4, 0, -1) for r in (a - i, a + b - i)]
+    assert torch.equal(got, train[order])
+
+
 @pytest.mark.parametrize("tile", [(16, 1, 3), (128, 8, 3)])
 def test_any_tile_gives_the_same_bits(qkv, tile):
     """Tiles of other row counts (16: the decode tile) == the forward tile, bit for bit, padding
