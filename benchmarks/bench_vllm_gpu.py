@@ -36,6 +36,9 @@ functions (inclusive): where one engine's step spends host time the other's does
     python3 benchmarks/bench_vllm_gpu.py --model DIR --tail --engines stock,plugin,sampling
                          # + stock vLLM with the plugin's sampling path alone: what it costs a step
     python3 benchmarks/bench_vllm_gpu.py --model DIR --tail --cases 1x1024,16x32768 --host-times
+    python3 benchmarks/bench_vllm_gpu.py --model DIR48 --load-format dummy --tail
+                         # the full 48-layer shape, weights drawn by vLLM (DIR48: make_tiny_model
+                         # --no-weights --num-layers 48 ...; scripts/gpu_vllm_suite.sh tail48)
 """
 import argparse
 import importlib
@@ -93,6 +96,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved")
     p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, of {', '.join(ENGINES)}")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--load-format", choices=("auto", "dummy"), help="vLLM's: dummy draws random weights "
+                   "(each engine its own), for a checkpoint of config and tokenizer alone (make_tiny_model "
+                   "--no-weights): the full 48-layer shape without 61 GB of files")
     p.add_argument("--profile", action="store_true", help="instead of timing: each engine's top CUDA "
                    "kernels, wall time and launches (torch profiler, engine in-process) over --prompts x --n "
                    "requests of 128 tokens, then over a tail of 8 of them generating 512 tokens")
@@ -169,6 +175,8 @@ def build_llm(args, engine, longest):
     from vllm import LLM
     kwargs = dict(model=args.model, seed=0, enable_prefix_caching=True, max_model_len=longest,
                   gpu_memory_utilization=args.gpu_memory_utilization, disable_log_stats=True)
+    if args.load_format:
+        kwargs["load_format"] = args.load_format
     if engine == "plugin":
         from true_on_policy import scheme
         kwargs.update(dtype="bfloat16", compilation_config=dict(scheme.CUDA_GRAPHS))

@@ -14,15 +14,23 @@
 #   tail    benchmarks/bench_vllm_gpu.py --tail: decode ms per step at B 1/4/16 and contexts 1k/8k/32k,
 #           stock vs the plugin (issue 26: goal >= 0.9x stock in each case), $GPU_VLLM_ROUNDS (default 1)
 #           rounds (estimated ~5-8 min a round warm, ~8-10 cold: near a device call's 10-min limit)
+#   tail48  the same at the full 48-layer shape (where 8 layers leave both engines host-bound): a
+#           checkpoint of config and tokenizer alone at $GPU_VLLM_TAIL_MODEL, weights drawn by vLLM
+#           (--load-format dummy, each engine its own); $GPU_VLLM_CASES (BxCONTEXT,...) narrows the
+#           cases (61 GB of weights: on an H100 the cases past its KV room fail, on the H200 all fit)
 # Exit status: non-zero if a step failed or a plugin check found a difference.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=() out=${OUT:-outputs/gpu_vllm}
-for a in "$@"; do case $a in model|check|bench|long|profile|tail) steps+=("$a") ;; *) out=$a ;; esac; done
-[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|long|profile|tail ... [OUTDIR]" >&2; exit 2; }
+for a in "$@"; do case $a in model|check|bench|long|profile|tail|tail48) steps+=("$a") ;; *) out=$a ;; esac; done
+[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|long|profile|tail|tail48 ... [OUTDIR]" >&2; exit 2; }
 mkdir -p "$out"
 if [ -f /tmp/h200_env.sh ]; then . /tmp/h200_env.sh; else export PYTHONPATH="recipe:kernels" PYTHONUNBUFFERED=1; fi
 model=${GPU_VLLM_MODEL:-/tmp/qwen3_30b_a3b_l${GPU_VLLM_LAYERS:-8}}
+model48=${GPU_VLLM_TAIL_MODEL:-/tmp/qwen3_30b_a3b_l48_noweights}
+# Qwen3-30B-A3B's shape (random weights, real vocabulary, 128 experts top-8); --num-layers apart
+shape=(--arch qwen3_moe --hidden-size 2048 --num-heads 32 --num-kv-heads 4 --head-dim 128 --intermediate-size 6144
+       --moe-intermediate-size 768 --num-experts 128 --top-k 8 --vocab-size 151936 --max-position 40960)
 rc=0
 
 run() {   # name, command...: log under $out, count a failure
@@ -38,10 +46,8 @@ for step in "${steps[@]}"; do
     case $step in
     model)
         if [ -f "$model/config.json" ]; then echo "[gpu_vllm_suite] model: $model is there"; continue; fi
-        run model python3 -m true_on_policy.make_tiny_model --arch qwen3_moe --out "$model" \
-            --num-layers "${GPU_VLLM_LAYERS:-8}" --hidden-size 2048 --num-heads 32 --num-kv-heads 4 \
-            --head-dim 128 --intermediate-size 6144 --moe-intermediate-size 768 --num-experts 128 \
-            --top-k 8 --vocab-size 151936 --max-position 40960 ;;
+        run model python3 -m true_on_policy.make_tiny_model "${shape[@]}" --out "$model" \
+            --num-layers "${GPU_VLLM_LAYERS:-8}" ;;
     check)
         common=(--model "$model" --cuda-graphs --enable-prefix-caching --prompts 16 --max-tokens 160)
         run check_t07 python3 -m true_on_policy.check "${common[@]}" --temperature 0.7 --json "$out/check_t07.json"
@@ -62,6 +68,12 @@ for step in "${steps[@]}"; do
     tail)
         run tail python3 benchmarks/bench_vllm_gpu.py --model "$model" --tail --rounds "${GPU_VLLM_ROUNDS:-1}" \
             --json "$out/tail.json" --logs "$out/tail_logs" ;;
+    tail48)
+        [ -f "$model48/config.json" ] || run model48 python3 -m true_on_policy.make_tiny_model "${shape[@]}" \
+            --out "$model48" --num-layers 48 --no-weights
+        run tail48 python3 benchmarks/bench_vllm_gpu.py --model "$model48" --load-format dummy --tail \
+            --rounds "${GPU_VLLM_ROUNDS:-1}" ${GPU_VLLM_CASES:+--cases "$GPU_VLLM_CASES"} \
+            --json "$out/tail48.json" --logs "$out/tail48_logs" ;;
     esac
 done
 exit $rc

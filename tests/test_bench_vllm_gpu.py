@@ -74,7 +74,7 @@ def test_the_sampling_engine_is_stock_vllm_with_the_plugins_sampling_path(tmp_pa
     from true_on_policy.vllm import engine_config, sampling
     built = []
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kw: built.append(kw)))
-    bench.build_llm(SimpleNamespace(model="m", gpu_memory_utilization=0.5), "sampling", 100)
+    bench.build_llm(SimpleNamespace(model="m", gpu_memory_utilization=0.5, load_format=None), "sampling", 100)
     assert built[0]["logprobs_mode"] == engine_config.LOGPROBS_MODE == "processed_logits"
     assert built[0]["logits_processors"] == [sampling.V1_PROCESSOR] and "compilation_config" not in built[0]
     monkeypatch.setattr(sampling, "sampling_params", lambda t, **kw: ("plugin params", t, kw["max_tokens"]))
@@ -294,7 +294,7 @@ def test_the_child_gets_its_settings_and_flags(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--rounds", "2"]), "stock")
     assert "--tail" in argvs[0] and "--repeats=3" in argvs[0] and "--profile" not in argvs[0]
-    assert not [a for a in argvs[0] if a.endswith("=None") or a.startswith(("--cases", "--host-times"))]  # unset: absent
+    assert not [a for a in argvs[0] if a.endswith("=None") or a.startswith(("--cases", "--host-times", "--load-format"))]  # unset: absent
     assert not [a for a in argvs[0] if a.startswith(("--rounds", "--json", "--logs", "--engines"))]
     assert argvs[0][-2:] == ["--child", "stock"]
     Child.stdout = iter(['@@result {"engine": "stock"}\n'])
@@ -303,6 +303,20 @@ def test_the_child_gets_its_settings_and_flags(tmp_path, monkeypatch):
     Child.stdout = iter(['@@result {"engine": "stock"}\n'])
     bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--cases", "1x1024", "--host-times"]), "stock")
     assert "--cases=1x1024" in argvs[2] and "--host-times" in argvs[2]
+    Child.stdout = iter(['@@result {"engine": "stock"}\n'])
+    bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--load-format", "dummy"]), "stock")
+    assert "--load-format=dummy" in argvs[3]
+
+
+def test_dummy_weights_reach_the_engine_and_only_when_asked(tmp_path, monkeypatch):
+    """--load-format dummy (a checkpoint of config and tokenizer alone, the full 48-layer shape):
+    vLLM draws the weights; without it vLLM's default (the checkpoint's files)."""
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kw: kw))
+    (tmp_path / "config.json").write_text("{}")
+    dummy = bench.build_llm(bench.parse_args(["--model", str(tmp_path), "--tail", "--load-format", "dummy"]),
+                            "stock", 2048)
+    files = bench.build_llm(bench.parse_args(["--model", str(tmp_path), "--tail"]), "stock", 2048)
+    assert dummy["load_format"] == "dummy" and "load_format" not in files and dummy["max_model_len"] == 2048
 
 
 def test_tail_with_profile_is_refused_in_one_line(tmp_path):

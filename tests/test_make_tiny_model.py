@@ -98,14 +98,32 @@ def test_weight_init_rules(built):
 def test_cli_rebuild_is_byte_identical(built, arch, tmp_path):
     """A second build in a fresh process (new hash seeds, new threads) gives the same bytes."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    _, cmd = readme_command("python -m true_on_policy.make_tiny_model", fill={"{qwen3,qwen3_moe}": arch,
-                                                                           "DIR": tmp_path / "m"})
+    _, cmd = readme_command("python -m true_on_policy.make_tiny_model --arch {qwen3,qwen3_moe}",
+                            fill={"{qwen3,qwen3_moe}": arch, "DIR": tmp_path / "m"})
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "params" in res.stdout
     assert sorted(os.listdir(tmp_path / "m")) == sorted(FILES)
     for name in FILES:
         assert (tmp_path / "m" / name).read_bytes() == (built[arch] / name).read_bytes(), name
+
+
+def test_no_weights_writes_the_full_shape_without_its_tensors(built, tmp_path):
+    """--no-weights (vLLM's load_format=dummy draws them): the 48-layer Qwen3-30B-A3B shape as config,
+    generation config and tokenizer, the tokenizer the same bytes as a built model's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = tmp_path / "l48"
+    _, cmd = readme_command("python -m true_on_policy.make_tiny_model --arch qwen3_moe --out DIR --no-weights",
+                            fill={"DIR": out})
+    shape = ["--num-layers", "48", "--hidden-size", "2048", "--num-heads", "32", "--num-kv-heads", "4", "--head-dim",
+             "128", "--moe-intermediate-size", "768", "--num-experts", "128", "--top-k", "8", "--vocab-size", "151936"]
+    res = subprocess.run(cmd + shape, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "30532.12M params (no weights written)" in res.stdout, res.stdout
+    assert sorted(os.listdir(out)) == sorted(f for f in FILES if f != "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["num_hidden_layers"], cfg["num_experts"], cfg["vocab_size"]) == (48, 128, 151936)
+    assert (out / "tokenizer.json").read_bytes() == (built["qwen3_moe"] / "tokenizer.json").read_bytes()
 
 
 def test_seed_changes_weights_not_tokenizer(built, tmp_path):

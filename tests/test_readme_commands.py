@@ -37,6 +37,8 @@ RUN = {
     "python -m consistent_ops.probe": "tests/test_probe.py::test_probe_passes_on_reference",
     "python -m true_on_policy.make_tiny_model --arch {qwen3,qwen3_moe} --out DIR [size flags]":
         "tests/test_make_tiny_model.py::test_cli_rebuild_is_byte_identical",
+    "python -m true_on_policy.make_tiny_model --arch qwen3_moe --out DIR --no-weights [size flags]":
+        "tests/test_make_tiny_model.py::test_no_weights_writes_the_full_shape_without_its_tensors",
     "bash scripts/ascend_compile_check.sh":
         "tests/test_ascend.py::test_every_ascend_kernel_compiles_with_triton_ascend",
     "python -m true_on_policy.verl.cpu_support N":
@@ -57,6 +59,7 @@ NOT_HERE = {
     "bash scripts/gpu_suite.sh $OUT": "needs a CUDA GPU (the H200, through the device tool)",
     "bash scripts/gpu_vllm_suite.sh STEP... $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
     "bash scripts/gpu_vllm_suite.sh tail $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
+    "bash scripts/gpu_vllm_suite.sh tail48 $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
     "python -m true_on_policy.check --cuda-graphs --enable-prefix-caching":
         "needs a CUDA GPU (without one: exit 2, tested in test_check_cli.py)",
     'run(carry=[".h200/MANIFEST", ".h200/vllm026.tar.xz.part-aa"], command="bash scripts/h200_vllm_env.sh")':

@@ -267,29 +267,34 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _build_into(out: Path, arch: str, s: dict) -> dict:
-    """Write every file of the checkpoint into `out` (an empty dir); return a summary."""
+def _build_into(out: Path, arch: str, s: dict, weights: bool = True) -> dict:
+    """Write every file of the checkpoint into `out` (an empty dir); return a summary. weights=False:
+    all but model.safetensors (vLLM's load_format="dummy" draws random weights for the shape)."""
     tok = train_tokenizer(s["tokenizer_vocab"])
     n_tok = tok.get_vocab_size(with_added_tokens=True)
     s = {**s, "vocab_size": padded_vocab_size(n_tok, s["vocab_size"])}
     eot, eos = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     ids = {"bos_token_id": eot, "eos_token_id": eos, "pad_token_id": eot}
-    weights = init_weights(param_shapes(arch, s), s)
-    if s["call_token_prob"]:
-        weights = with_call_token(weights, s, tok.encode(CALL_TOKEN).ids, n_tok)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shapes = param_shapes(arch, s)
+    if weights:
+        tensors = init_weights(shapes, s)
+        if s["call_token_prob"]:
+            tensors = with_call_token(tensors, s, tok.encode(CALL_TOKEN).ids, n_tok)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", hf_config(arch, s, ids))
     # Qwen's generation config stops on either <|im_end|> or <|endoftext|>; no sampling
     # defaults, so engines use exactly the sampling params a test asks for.
     _write_json(out / "generation_config.json", {**ids, "eos_token_id": [eos, eot]})
     _write_tokenizer(tok, out)
-    return {"params": sum(w.numel() for w in weights.values()), "tokens": n_tok,
+    return {"params": sum(math.prod(shape) for shape in shapes.values()), "tokens": n_tok,
             "vocab_size": s["vocab_size"]}
 
 
-def make_tiny_model(out_dir, arch: str = "qwen3_moe", overwrite: bool = False, **sizes) -> Path:
+def make_tiny_model(out_dir, arch: str = "qwen3_moe", overwrite: bool = False, weights: bool = True,
+                    **sizes) -> Path:
     """Build the checkpoint in a sibling temp dir, then rename it into place, so a
-    crash never leaves a half-written model at `out_dir`."""
+    crash never leaves a half-written model at `out_dir`. weights=False: config, generation config
+    and tokenizer alone (for vLLM's load_format="dummy": a full-size shape costs no disk)."""
     s, out = resolve_args(arch, **sizes), Path(out_dir).resolve()
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"make_tiny_model: {out} is not empty; remove it, pick another "
@@ -297,7 +302,7 @@ def make_tiny_model(out_dir, arch: str = "qwen3_moe", overwrite: bool = False, *
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        info = _build_into(tmp, arch, s)
+        info = _build_into(tmp, arch, s, weights)
         for f in tmp.iterdir():  # mkdtemp/safetensors create owner-only files; let others read
             f.chmod(0o644)
         tmp.chmod(0o755)
@@ -307,8 +312,8 @@ def make_tiny_model(out_dir, arch: str = "qwen3_moe", overwrite: bool = False, *
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    print(f"[make_tiny_model] {arch}: {info['params'] / 1e6:.2f}M params, tokenizer "
-          f"{info['tokens']} tokens, vocab_size {info['vocab_size']}, {s['dtype']} -> {out}")
+    print(f"[make_tiny_model] {arch}: {info['params'] / 1e6:.2f}M params{'' if weights else ' (no weights written)'}, "
+          f"tokenizer {info['tokens']} tokens, vocab_size {info['vocab_size']}, {s['dtype']} -> {out}")
     return out
 
 
@@ -344,6 +349,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", required=True, choices=list(ARCHS))
     p.add_argument("--out", required=True, help="output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--no-weights", dest="weights", action="store_false",
+                   help="write no model.safetensors: config and tokenizer alone, for vLLM's load_format=dummy")
     for k, v in DEFAULTS.items():
         flag = "--" + k.replace("_", "-")
         if k == "tie_word_embeddings":
@@ -360,9 +367,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     a = vars(_parser().parse_args(argv))
-    arch, out, overwrite = a.pop("arch"), a.pop("out"), a.pop("overwrite")
+    arch, out, overwrite, weights = a.pop("arch"), a.pop("out"), a.pop("overwrite"), a.pop("weights")
     try:
-        make_tiny_model(out, arch, overwrite=overwrite, **a)
+        make_tiny_model(out, arch, overwrite=overwrite, weights=weights, **a)
     except (ValueError, FileExistsError) as e:
         raise SystemExit(f"error: {e}")
 
