@@ -139,14 +139,16 @@ def _counters_idle():
     return all(not b.any() for bufs in ta._COUNTERS.values() for b in bufs)
 
 
-@pytest.mark.parametrize("fold_stages", [None, 2, 6])
-def test_split_decode_graph_replays_equal_unsplit(fold_stages, monkeypatch):
+@pytest.mark.parametrize("fold_stages, off32", [(None, True), (2, True), (6, True), (None, False)],
+                         ids=["default", "fold2", "fold6", "int64"])
+def test_split_decode_graph_replays_equal_unsplit(fold_stages, off32, monkeypatch):
     """The decode tail's split launch, where the last program of a tile to store its chunk state
     folds them all (an arrival counter; no fold launch), captured in a CUDA graph of 8 launches in
     a row and replayed 100 times: every output of every replay == the unsplit launch bit for bit,
     so no fold read a state before it was visible (a race would flip bits in some replay) and the
     counters reset between launches (they end at 0). Tiles of 1, 2, 16 and 33 KV chunks; the fold's
-    states read through its software pipeline (the default's stages, and 2 and 6)."""
+    states read through its software pipeline (the default's stages, and 2 and 6); the cache addressed
+    with int64 offsets (a cache past int32) against the unsplit launch's int32."""
     from consistent_ops.triton import attention as ta
     from consistent_ops.contract import attention_scale
     monkeypatch.setattr(ta, "_split_programs", lambda device: 1 << 30)   # split (so small a batch does)
@@ -163,6 +165,7 @@ def test_split_decode_graph_replays_equal_unsplit(fold_stages, monkeypatch):
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     want = ta._forward(q, k, v, qsl, seq_lens, table, attention_scale(D), True, split=False)
+    monkeypatch.setattr(ta, "_fits_int32", lambda *caches: off32)
 
     def launches():
         return [co.attention_paged(q, k, v, table, seq_lens, qsl) for _ in range(8)]
