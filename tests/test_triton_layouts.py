@@ -86,14 +86,16 @@ def float_reductions(ir):
     return [(op, layouts[enc]) for ty, op, enc in found if ty.startswith(("f", "bf"))]
 
 
-def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True):
-    """The forward kernel's TTGIR for the H200 in one launch form (its cubin built too)."""
+def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=()):
+    """The forward kernel's TTGIR for the H200 in one launch form (its cubin built too); divisible:
+    the integer arguments the launcher would mark divisible by 16 (none unless named)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
     from consistent_ops.triton import attention as ta
-    const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=16 if paged else 1,
+    const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=page if paged else 1,
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
                  FOLD_STAGES=fold_stages or ta._FOLD_STAGES, OFF32=paged and off32)
-    asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(), num_warps=warps, num_stages=stages).asm
+    asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
+                       num_stages=stages).asm
     assert asm["cubin"]
     return asm["ttgir"]
 
@@ -162,6 +164,34 @@ def test_the_split_fold_reads_its_states_through_the_pipeline():
     unpiped, every = state_reads(attention_ttgir(True, True, *tile, fold_stages=1))
     assert unpiped == 0 and plain > 0 and every == 2 * plain    # chunk 0's reads stay plain loads
     assert pipelined >= 2 * plain
+
+
+# A paged decode step's strides as the launcher sees them (a cache [pages, page, Hkv, D], q and out
+# [T, Hq, D], D = 128, a table row of 16k columns): multiples of 16, marked so; the key walk's copies
+# are async only where their rows are known aligned.
+DECODE_STRIDES = ("stride_qt", "stride_qh", "stride_k", "stride_kh", "stride_v", "stride_vh", "stride_ot",
+                  "stride_oh", "stride_tab")
+
+
+def walk_wait(ttgir):
+    """The async wait at the top of the split launch's first loop (its chunk's unmasked key blocks):
+    how many groups of copies may still be in flight while a block is computed (0: the block's own
+    K/V were issued after the block before was computed, a memory round trip exposed every block)."""
+    loop = ttgir[ttgir.index("scf.for"):]
+    return int(re.search(r"ttg\.async_wait [^\n]*\{num = (\d+) : i32\}", loop).group(1))
+
+
+@pytest.mark.parametrize("page, ahead", [(16, True), (32, True), (128, True), (48, False)])
+def test_the_split_walk_prefetches_key_blocks_ahead(page, ahead):
+    """The decode tail's key walk (one warp a (sequence, KV head, chunk)) reads its chunk's page ids
+    before the loop (_held_pages), so its K/V addresses wait on no load and the software pipeline
+    keeps a block's copies in flight while the block before is computed (wait num = 2 at 3 stages).
+    Companion: a page of 48 keys (not a power of two) reads the table per key inside the loop, and
+    the compiler then waits on every copy (num = 0), as the walk did for every page before."""
+    from consistent_ops.contract import TRITON_TILES
+    num = walk_wait(attention_ttgir(True, True, *TRITON_TILES["attention"]["decode"], page=page,
+                                    divisible=DECODE_STRIDES))
+    assert (num > 0) == ahead, num
 
 
 LOGPROB_TYPES = {"Z": "*fp32", "Temp": "*fp32", "Mx": "*fp32", "Acc": "*fp32", "Out": "*fp32"}

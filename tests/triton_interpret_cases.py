@@ -247,13 +247,15 @@ def test_int64_cache_offsets_give_the_same_bits(split):
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
-def test_split_launch_equals_unsplit_launch_after_launch(dtype, monkeypatch):
+@pytest.mark.parametrize("chunk", [64, 128, 256])
+def test_split_launch_equals_unsplit_launch_after_launch(dtype, chunk, monkeypatch):
     """The decode tail's split launch (a program per (tile, KV chunk), the tile's last program to
     finish folding the chunk states) == one program walking every chunk, bit for bit, on a batch
     mixing tiles of one chunk and of several; and again on the next launch (the counters were
-    reset), twice more in a row."""
+    reset), twice more in a row. Chunks of 1, 2 and 4 key blocks: a chunk's walk picks each block's
+    pages from the chunk's held page ids (_held_pages: 4, 8 and 16 of them)."""
     from consistent_ops.triton import attention as ta
-    monkeypatch.setattr(ta, "KV_CHUNK", 64)
+    monkeypatch.setattr(ta, "KV_CHUNK", chunk)
     args = _decode_tail(dtype)
     want = ta._forward(*args, split=False)
     assert torch.isfinite(want.float()).all()

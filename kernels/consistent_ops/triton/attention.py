@@ -95,7 +95,8 @@ _LOG2E = 1.4426950408889634
 # programs an SM (264).
 _SPLIT_WAVES, _SPLIT_BYTES = 2, 256 << 20
 # The split fold's software pipeline (_fold_states): 4 stages keep two chunk states in flight while
-# one is folded, in the shared memory the key walk used (sm_90 compile: 37 KB a program either way).
+# one is folded, in the shared memory the key walk used (sm_90 compile: 70 KB a program either way,
+# the walk's three K/V stages; 37 KB while the walk read the table in its loop: _held_pages).
 _FOLD_STAGES = 4
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head) pairs of any
@@ -116,23 +117,44 @@ def _page_start(page, pages, PAGE: tl.constexpr, OFF32: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(kpos, first, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, KV: tl.constexpr,
-              PAGE: tl.constexpr, PAGED: tl.constexpr, OFF32: tl.constexpr, MASK: tl.constexpr):
+def _held_pages(seq, c, Table, stride_tab, tab_cols, CHUNK: tl.constexpr, PAGE: tl.constexpr):
+    """The table entries of KV chunk c's pages (its first table column col0 and the entries from
+    there), read once before the chunk's walk, for a page of a power of two keys. The walk's key
+    blocks then pick their page ids from registers (_key_rows): their K/V addresses wait on no load,
+    so the software pipeline prefetches them whole blocks ahead (with the table read in the loop the
+    sm_90 compile waited on every copy, num = 0, and issued block j + 1's K/V after block j's math:
+    a cold cache's full latency every block)."""
+    HELD: tl.constexpr = (CHUNK + PAGE - 1) // PAGE
+    col0 = (c * CHUNK) // PAGE
+    ids = tl.load(Table + seq * stride_tab + tl.minimum(col0 + tl.arange(0, HELD), tab_cols - 1))
+    return ids, col0
+
+
+@triton.jit
+def _key_rows(kpos, first, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, held, col0, KV: tl.constexpr,
+              PAGE: tl.constexpr, PAGED: tl.constexpr, OFF32: tl.constexpr, MASK: tl.constexpr,
+              HOLD: tl.constexpr):
     """Storage row of the key positions kpos = first + [0, KV). In a masked block, positions past
     the sequence are clamped to its last key (always written, so finite); the mask excludes them
     later. An unmasked block lies inside the sequence: its keys are runs of consecutive keys on one
     page each, one table lookup a run (sm_90 compile, 2026-12-06: 811 vs 857 SASS instructions a
-    block with int32 offsets, 948 vs 1,073 with int64). Paged: the table column and the page id are
-    clamped into the table and the cache, so metadata that no real step has (vLLM's capture and
-    memory-profiling dummies: empty or stale tables, sequences longer than a table row) reads
-    inside them; real steps never clamp."""
+    block with int32 offsets, 948 vs 1,073 with int64); HOLD: those entries are picked from the
+    chunk's held ones (_held_pages; the same entries: the block's columns lie in its chunk).
+    Paged: the table column and the page id are clamped into the table and the cache, so metadata
+    that no real step has (vLLM's capture and memory-profiling dummies: empty or stale tables,
+    sequences longer than a table row) reads inside them; real steps never clamp."""
     if MASK:
         kpos = tl.maximum(tl.minimum(kpos, seq_len - 1), 0)
     if PAGED:
         if (not MASK) and (KV % PAGE == 0 or PAGE % KV == 0):
             RUNS: tl.constexpr = (KV + PAGE - 1) // PAGE      # pages a block spans (1 if a page holds it)
-            col = tl.minimum(first // PAGE + tl.arange(0, RUNS), tab_cols - 1)
-            start = _page_start(tl.load(Table + seq * stride_tab + col), pages, PAGE, OFF32) + first % PAGE
+            col = first // PAGE + tl.arange(0, RUNS)
+            if HOLD:
+                cols = col0 + tl.arange(0, held.shape[0])
+                page = tl.sum(tl.where(col[:, None] == cols[None, :], held[None, :], 0), 1)
+            else:
+                page = tl.load(Table + seq * stride_tab + tl.minimum(col, tab_cols - 1))
+            start = _page_start(page, pages, PAGE, OFF32) + first % PAGE
             row = tl.reshape(start[:, None] + tl.arange(0, KV // RUNS)[None, :], [KV])
         else:
             page = tl.load(Table + seq * stride_tab + tl.minimum(kpos // PAGE, tab_cols - 1))
@@ -143,15 +165,16 @@ def _key_rows(kpos, first, seq, seq_len, row0, Table, stride_tab, tab_cols, page
 
 
 @triton.jit
-def _block_rows(kpos, seq, seq_len, row0, first, col, Table, stride_tab, tab_cols, pages, KV: tl.constexpr,
-                PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, OFF32: tl.constexpr, MASK: tl.constexpr):
+def _block_rows(kpos, seq, seq_len, row0, first, col, Table, stride_tab, tab_cols, pages, held, col0,
+                KV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, OFF32: tl.constexpr,
+                MASK: tl.constexpr, HOLD: tl.constexpr):
     """Where a key block lies: its storage rows (_key_rows), or for bulk copies of packed
     K/V the (row, column) of its first element (rows past the sequence are masked later)."""
     if TMA:
         return (row0 + first).to(tl.int32), col
     else:
-        return _key_rows(kpos, first, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, KV, PAGE, PAGED,
-                         OFF32, MASK)
+        return _key_rows(kpos, first, seq, seq_len, row0, Table, stride_tab, tab_cols, pages, held, col0, KV, PAGE,
+                         PAGED, OFF32, MASK, HOLD)
 
 
 @triton.jit
@@ -188,13 +211,14 @@ def _fresh(ROWS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V, stride_k, stride_v, Table,
-          stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
-          CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr, OFF32: tl.constexpr,
-          MASK: tl.constexpr, FOLD: tl.constexpr):
+          stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS: tl.constexpr, D: tl.constexpr,
+          KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
+          OFF32: tl.constexpr, MASK: tl.constexpr, FOLD: tl.constexpr, HOLD: tl.constexpr):
     """Key blocks j_lo .. j_hi - 1 of the contract's walk, in ONE loop (a loop a chunk would restart
     the software pipeline every CHUNK // KV blocks). FOLD: at the first block of every chunk but
     chunk 0, the state (acc, m, l) of the chunk before is folded into (facc, fm, fl) and restarts;
-    else the blocks lie in one chunk and (facc, fm, fl) pass through."""
+    else the blocks lie in one chunk and (facc, fm, fl) pass through. HOLD: the blocks lie in one
+    chunk whose page ids are held (_held_pages: held, col0)."""
     offs = tl.arange(0, KV)
     for j in range(j_lo, j_hi):
         if FOLD:
@@ -202,8 +226,8 @@ def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V
                 facc, fm, fl = _fold(facc, fm, fl, acc, m, l)
                 acc, m, l = _fresh(ROWS, D)
         kpos = j * KV + offs
-        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages,
-                           KV, PAGE, PAGED, TMA, OFF32, MASK)
+        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages, held, col0,
+                           KV, PAGE, PAGED, TMA, OFF32, MASK, HOLD)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
                                   qk_scale, D, MASK, TMA)
     return facc, fm, fl, acc, m, l
@@ -220,12 +244,17 @@ def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride
     acc, m, l = _fresh(ROWS, D)
     j0 = c * (CHUNK // KV)
     j1 = tl.minimum(j0 + CHUNK // KV, n_blocks)
+    HOLD: tl.constexpr = PAGED and (PAGE & (PAGE - 1)) == 0    # a power of two: the chunk's pages are whole
+    if HOLD:
+        held, col0 = _held_pages(seq, c, Table, stride_tab, tab_cols, CHUNK, PAGE)
+    else:
+        held, col0 = 0, 0
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, j0, tl.minimum(j1, n_full), q, qpos, seq, seq_len, row0, K, V,
-                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
-                               CHUNK, PAGE, PAGED, TMA, OFF32, False, False)
+                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS,
+                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, False, False, HOLD)
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, tl.maximum(j0, n_full), j1, q, qpos, seq, seq_len, row0, K, V,
-                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
-                               CHUNK, PAGE, PAGED, TMA, OFF32, True, False)
+                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS,
+                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, False, HOLD)
     return acc, m, l
 
 
@@ -256,11 +285,11 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
     facc, fm, fl = _fresh(ROWS, D)
     acc, m, l = _fresh(ROWS, D)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, 0, n_full, q, qpos, seq, seq_len, row0, K, V, stride_k,
-                                    stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV, CHUNK,
-                                    PAGE, PAGED, TMA, OFF32, False, True)
+                                    stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS, D, KV,
+                                    CHUNK, PAGE, PAGED, TMA, OFF32, False, True, False)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, n_full, n_blocks, q, qpos, seq, seq_len, row0, K, V,
-                                    stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS, D, KV,
-                                    CHUNK, PAGE, PAGED, TMA, OFF32, True, True)
+                                    stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS, D,
+                                    KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, True, False)
     return _fold(facc, fm, fl, acc, m, l)
 
 
