@@ -26,6 +26,7 @@ from consistent_ops.triton import moe as tmoe
 
 DEV, BF16 = "cuda", torch.bfloat16
 HQ, HKV, D = 32, 4, 128
+COLD_BYTES = 256 << 20      # written between timed launches to evict K/V from L2 (50 MB on the H200)
 ROWS, META = [], {}
 
 
@@ -450,15 +451,22 @@ def probe_decode_split():
     # forward's tile.
     # A chunk walk is a serial chain of ~1.2 us a key block: shorter KV chunks (a contract change,
     # other bits) ask how many more programs buy at decode, against a longer fold. "stages 5": the
-    # walk's K/V copies two key blocks ahead (3 and 4 stages wait for the next block's: sm_90
-    # compile, 2026-12-05); "fold N": the split fold's pipeline stages (default 4; 2: one state ahead,
+    # walk's K/V copies of three key blocks in flight while one is computed (3 stages: one; 135 vs 70
+    # KB of shared memory a program); "fold N": the split fold's pipeline stages (default 4; 2: one state ahead,
     # as the hand-written prefetch before 2026-12-05); "int64": the cache's offsets in 64 bits (a
     # cache past int32; sm_90 compile: 948 vs 811 SASS instructions a key block, 1,149 before
-    # 2026-12-06). All of these keep the bits.
+    # 2026-12-06); "table in loop": the split walk's page ids read inside its loop, as before
+    # 2026-12-06 evening (the compile then waited on every K/V copy; now a chunk's ids are read
+    # before the loop and the copies run two blocks ahead). All of these keep the bits. "cold": the
+    # same launch after a write of COLD_BYTES (K/V out of L2, as in a model step, where ~6 GB of
+    # weights pass between two layers' attention), less that write's own time.
     variants = {"default": {}, "rows 64": dict(tile=(64, 4, 3)), "rows 16 w4": dict(tile=(16, 4, 3)),
                 "stages 5": dict(tile=(16, 1, 5)), "fold 2": dict(fold_stages=2), "fold 6": dict(fold_stages=6),
-                "int64": dict(off32=False),
+                "int64": dict(off32=False), "table in loop": dict(hold=False),
                 "unsplit": dict(split=False), "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}
+    cold = ("default", "table in loop")
+    flush = torch.empty(COLD_BYTES, dtype=torch.uint8, device=DEV)
+    flush_ms = bench_graph(flush.zero_)
     for page in (16,):          # page 32 gave the same times (2026-12-04)
         for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
             for width in (ctx, 40960) if batch <= 4 else (ctx,):
@@ -479,6 +487,9 @@ def probe_decode_split():
                         same = torch.equal(run(**kw), base)
                         cells.append(f"{name} {bench_graph(lambda kw=kw: run(**kw)) * 1e3:.1f} us"
                                      + ("" if same else " DIFF"))
+                        if name in cold:
+                            ms = bench_graph(lambda kw=kw: (flush.zero_(), run(**kw))) - flush_ms
+                            cells.append(f"{name} cold {ms * 1e3:.1f} us")
                     except Exception as e:
                         cells.append(f"{name} failed {type(e).__name__}")
                 print(f"probe decode split page={page} B={batch} ctx={ctx} table {width}: " + "; ".join(cells),

@@ -86,14 +86,14 @@ def float_reductions(ir):
     return [(op, layouts[enc]) for ty, op, enc in found if ty.startswith(("f", "bf"))]
 
 
-def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=()):
+def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(), hold=True):
     """The forward kernel's TTGIR for the H200 in one launch form (its cubin built too); divisible:
     the integer arguments the launcher would mark divisible by 16 (none unless named)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
     from consistent_ops.triton import attention as ta
     const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=page if paged else 1,
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
-                 FOLD_STAGES=fold_stages or ta._FOLD_STAGES, OFF32=paged and off32)
+                 FOLD_STAGES=fold_stages or ta._FOLD_STAGES, OFF32=paged and off32, HOLD=hold)
     asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
                        num_stages=stages).asm
     assert asm["cubin"]
@@ -181,16 +181,17 @@ def walk_wait(ttgir):
     return int(re.search(r"ttg\.async_wait [^\n]*\{num = (\d+) : i32\}", loop).group(1))
 
 
-@pytest.mark.parametrize("page, ahead", [(16, True), (32, True), (128, True), (48, False)])
-def test_the_split_walk_prefetches_key_blocks_ahead(page, ahead):
+@pytest.mark.parametrize("page, hold, ahead", [(16, True, True), (32, True, True), (128, True, True),
+                                              (48, True, False), (16, False, False)])
+def test_the_split_walk_prefetches_key_blocks_ahead(page, hold, ahead):
     """The decode tail's key walk (one warp a (sequence, KV head, chunk)) reads its chunk's page ids
     before the loop (_held_pages), so its K/V addresses wait on no load and the software pipeline
     keeps a block's copies in flight while the block before is computed (wait num = 2 at 3 stages).
-    Companion: a page of 48 keys (not a power of two) reads the table per key inside the loop, and
-    the compiler then waits on every copy (num = 0), as the walk did for every page before."""
+    Companions: a page of 48 keys (not a power of two: per-key lookups) and the probes' `hold=False`
+    read the table inside the loop, and the compiler then waits on every copy (num = 0)."""
     from consistent_ops.contract import TRITON_TILES
     num = walk_wait(attention_ttgir(True, True, *TRITON_TILES["attention"]["decode"], page=page,
-                                    divisible=DECODE_STRIDES))
+                                    divisible=DECODE_STRIDES, hold=hold))
     assert (num > 0) == ahead, num
 
 

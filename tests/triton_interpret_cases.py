@@ -246,6 +246,15 @@ def test_int64_cache_offsets_give_the_same_bits(split):
     assert not ta._fits_int32(small, big) and ta._fits_int32(small, small)
 
 
+def test_split_walk_with_its_table_reads_in_the_loop_gives_the_same_bits(monkeypatch):
+    """The probes' `hold=False` (a block's page ids read inside the walk's loop, as before
+    2026-12-06 evening) addresses the same rows as the held ids: the same bits."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "KV_CHUNK", 128)
+    args = _decode_tail(BF16)
+    assert torch.equal(ta._forward(*args, split=True, hold=False), ta._forward(*args, split=True))
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("chunk", [64, 128, 256])
 def test_split_launch_equals_unsplit_launch_after_launch(dtype, chunk, monkeypatch):

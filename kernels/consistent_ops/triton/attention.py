@@ -237,14 +237,15 @@ def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V
 def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v, Table, stride_tab,
                   tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
                   CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
-                  OFF32: tl.constexpr):
+                  OFF32: tl.constexpr, HOLD_PAGES: tl.constexpr):
     """The contract's walk over the key blocks of KV chunk c, from a fresh state: blocks
     below n_full are seen whole by every row of the tile (no mask), blocks from n_blocks on
     by none. Returns the chunk's unnormalised acc, row max m and sum l."""
     acc, m, l = _fresh(ROWS, D)
     j0 = c * (CHUNK // KV)
     j1 = tl.minimum(j0 + CHUNK // KV, n_blocks)
-    HOLD: tl.constexpr = PAGED and (PAGE & (PAGE - 1)) == 0    # a power of two: the chunk's pages are whole
+    # a page of a power of two keys: the chunk's pages are whole (HOLD_PAGES off: probes only)
+    HOLD: tl.constexpr = HOLD_PAGES and (PAGED and (PAGE & (PAGE - 1)) == 0)
     if HOLD:
         held, col0 = _held_pages(seq, c, Table, stride_tab, tab_cols, CHUNK, PAGE)
     else:
@@ -357,7 +358,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
-                     FOLD_STAGES: tl.constexpr, OFF32: tl.constexpr):
+                     FOLD_STAGES: tl.constexpr, OFF32: tl.constexpr, HOLD: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
     seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
     if seq >= S:
@@ -382,7 +383,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
     if SPLIT:
         acc, m, l = _attend_chunk(c, q, qpos, seq, seq_len, q0.to(tl.int64), (first_pos + 1) // KV, last_pos // KV + 1,
                                   Kh, Vh, stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D,
-                                  ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32)
+                                  ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, HOLD)
         # a tile of several chunks: its state, folded by the tile's last program; of one: its output
         several = (qpos * 0 + last_pos) >= CHUNK       # per row (a scalar mask is not one on every backend)
         hq = G * tl.num_programs(1)
@@ -740,13 +741,14 @@ def _fits_int32(*caches):
 
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
-             chunk=None, fold_stages=None, off32=None):
+             chunk=None, fold_stages=None, off32=None, hold=True):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
     tests only: the same bits either way); chunk: keys a KV chunk other than the contract's
     (probes only: other bits); fold_stages: the split fold's pipeline stages (probes: the same bits);
-    off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits)."""
+    off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits); hold:
+    the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -786,7 +788,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=chunk, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
-        OFF32=paged and (_fits_int32(k, v) if off32 is None else off32),
+        OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
         num_warps=warps, num_stages=stages, **EXACT)
     return o
 
