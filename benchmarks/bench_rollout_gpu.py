@@ -32,6 +32,9 @@ DECODE_CASES = ((1, 1024), (4, 1024), (16, 1024), (64, 1024), (256, 1024), (1, 8
                 (64, 8192), (1, 32768), (4, 32768), (16, 32768))
 GOALS = {(64, 1024): 50, (256, 1024): 50, (64, 8192): 60, (1, 1024): 40, (1, 8192): 40,
          **{(b, c): 60 for b in (4, 16) for c in (8192, 32768)}}
+# decode cases whose step is profiled by kernel: B=1 at both ends, and the cases timed against stock
+# vLLM at 48 layers (scripts/gpu_vllm_suite.sh tail48)
+PROFILED = {(1, 1024), (1, 32768), (4, 8192), (16, 32768)}
 ROWS, META = [], {}
 WORK_BYTES = 4 << 30     # a decode case's activations, MoE scratch and graph pool, beside its KV cache
 
@@ -147,8 +150,8 @@ def decode_cases(model, bw):
         for s in range(b):
             kv.lens[s] = ctx
         ms = _median_ms(graph.replay, 20)
-        if b == 1 and ctx in (1024, 32768):      # the tail's launch chain: kernels a step (48 layers)
-            _print_kernels(graph.replay, f"one B=1 ctx={ctx} decode step (graph replay)", rows=40)
+        if (b, ctx) in PROFILED:                 # the tail's launch chain: kernels a step (48 layers)
+            _print_kernels(graph.replay, f"one B={b} ctx={ctx} decode step (graph replay)", rows=40)
         roof = nbytes / (bw * 1e12) * 1e3
         pct = 100 * roof / ms
         goal = GOALS.get((b, ctx))
