@@ -289,8 +289,8 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
                                     stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS, D, KV,
                                     CHUNK, PAGE, PAGED, TMA, OFF32, False, True, False)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, n_full, n_blocks, q, qpos, seq, seq_len, row0, K, V,
-                                    stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS, D,
-                                    KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, True, False)
+                                    stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS,
+                                    D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, True, False)
     return _fold(facc, fm, fl, acc, m, l)
 
 
