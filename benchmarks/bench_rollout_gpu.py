@@ -22,6 +22,7 @@ import time
 import torch
 
 import consistent_ops as co
+from bench_vllm_gpu import _parse_cases
 from harness import GraphRunner, ModelRunner, build_hf_model, build_model
 from true_on_policy.models.qwen3 import fuse
 
@@ -117,7 +118,7 @@ def touched_bytes(model, runner, batch):
     return dense + expert * sum(seen) + kv_tok * ctx, sum(seen) / len(seen)
 
 
-def decode_cases(model, bw):
+def decode_cases(model, bw, cases=DECODE_CASES):
     """Each case on a KV cache of its own size, allocated and freed around it, so that the cases
     fitting beside the 48-layer weights run on an 80 GB card too (the weights take ~61 GB; one
     cache for the largest case, 52 GB, did not fit the H100, 2026-12-05); a case that does not fit
@@ -125,7 +126,7 @@ def decode_cases(model, bw):
     runner = ModelRunner(model, pages=1, page_size=PAGE)
     cfg = model.cfg
     g = torch.Generator(device=DEV).manual_seed(7)
-    for b, ctx in DECODE_CASES:
+    for b, ctx in cases:
         pages = b * (ctx + 2 * PAGE) // PAGE + 64
         shape = (pages, PAGE, cfg.num_kv_heads, cfg.head_dim)
         need = 2 * cfg.num_layers * pages * PAGE * cfg.num_kv_heads * cfg.head_dim * 2
@@ -304,7 +305,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--cases", help="decode cases B x context only, e.g. 1x1024,4x8192 (default: all), "
+                                    "and no prefill cases")
     args = ap.parse_args()
+    cases = DECODE_CASES if args.cases is None else _parse_cases(args.cases)
+    if not cases:
+        raise SystemExit(f"error: --cases {args.cases!r}: expected B x context pairs such as 1x1024,4x8192")
     co.set_backend("triton")
     torch.manual_seed(0)
     bw = copy_bandwidth()
@@ -313,10 +319,11 @@ def main():
     print(f"# {META}", flush=True)
     model = build_model(layers=args.layers)
     same = check_full_depth(model)
-    decode_cases(model, bw)
+    decode_cases(model, bw, cases)
     del model
     torch.cuda.empty_cache()
-    prefill_cases(min(PREFILL_LAYERS, args.layers))
+    if args.cases is None:
+        prefill_cases(min(PREFILL_LAYERS, args.layers))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=META, rows=ROWS), f, indent=1)

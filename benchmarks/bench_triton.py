@@ -446,9 +446,9 @@ def probe_decode_split():
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
     # 2026-12-04/05: stages 2 / 4, warps 8, 16 rows of 2 warps and 32 of 2 measured (RESULTS.md); 16
-    # rows of 4 warps were fastest (B=1: 16 vs 25 us at 1k, 50 vs 67 at 32k) but sum a row across
-    # warps (other bits); the decode tile (default here) is 16 rows of one warp, "rows 64" the
-    # forward's tile.
+    # rows of 4 warps were fastest (B=1: 16 vs 25 us at 1k, 50 vs 67 at 32k), their float row sum
+    # across warps other bits until the row sum went to integers (2026-12-06): the decode tile
+    # (default here) is now 16 rows of 4 warps, "one warp" the tile before, "rows 64" the forward's.
     # A chunk walk is a serial chain of ~1.2 us a key block: shorter KV chunks (a contract change,
     # other bits) ask how many more programs buy at decode, against a longer fold. "stages 5": the
     # walk's K/V copies of three key blocks in flight while one is computed (3 stages: one; 135 vs 70
@@ -461,7 +461,7 @@ def probe_decode_split():
     # same launch after a read of COLD_BYTES (K/V out of L2, as in a model step, where ~6 GB of
     # weights pass between two layers' attention; a read leaves no dirty lines to write back), less
     # that read's own time.
-    variants = {"default": {}, "rows 64": dict(tile=(64, 4, 3)), "rows 16 w4": dict(tile=(16, 4, 3)),
+    variants = {"default": {}, "rows 64": dict(tile=(64, 4, 3)), "one warp": dict(tile=(16, 1, 3)),
                 "stages 5": dict(tile=(16, 1, 5)), "fold 2": dict(fold_stages=2), "fold 6": dict(fold_stages=6),
                 "int64": dict(off32=False), "table in loop": dict(hold=False),
                 "unsplit": dict(split=False), "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}

@@ -343,17 +343,43 @@ def time_batch(llm, args, work):
     return result
 
 
+def kv_cache_blocks(llm):
+    """(blocks, tokens a block) of the engine's KV cache as its core reported them at start-up, or
+    None where the engine does not say."""
+    cache = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    blocks = getattr(cache, "num_gpu_blocks", None)
+    return (blocks, cache.block_size) if blocks else None
+
+
+def too_big(kv, b, ctx):
+    """Why B sequences of ctx + 1 + TAIL_DECODE tokens cannot all decode at once in a KV cache of
+    kv = (blocks, tokens a block), or None where they can (or kv is unknown). A case that does
+    not fit would be timed with the scheduler queueing sequences: a step of fewer than B."""
+    if kv is None:
+        return None
+    blocks, size = kv
+    need = b * -(-(ctx + 1 + TAIL_DECODE) // size)
+    return None if need <= blocks else (f"needs {need * size:,} tokens of KV cache at once, the engine "
+                                        f"holds {blocks * size:,}")
+
+
 def time_tail(llm, engine, repeats, vocab, cases=TAIL_CASES, host_times=False):
     """Per case, `repeats` times: the prefill-only generate's seconds and the decode
     ms per step, both generates over the same prompts from a reset prefix cache. decode_ms is the
     median of the long generate's last TAIL_DECODE engine steps (one hiccup, e.g. a compilation,
     moves it by a step at most); decode_ms_difference the two generates' difference per step
     (the measure before 2026-12-05, which such a hiccup in either generate skews). With
-    host_times, host_us: the medians of HostTimes' steps (those steps of every repeat), us."""
+    host_times, host_us: the medians of HostTimes' steps (those steps of every repeat), us.
+    A case whose B sequences do not fit the engine's KV cache together is skipped, said why."""
     host = HostTimes() if host_times else None
     steps = StepTimes(llm.llm_engine, host.end_step if host else None)
+    kv = kv_cache_blocks(llm)
     out = []
     for b, ctx in cases:
+        if (why := too_big(kv, b, ctx)):
+            print(f"[{engine}] tail B={b} context={ctx}: skipped: {why}", flush=True)
+            out.append({"b": b, "ctx": ctx, "skipped": why})
+            continue
         prompts = tail_prompts(b, ctx, vocab)
         case = {"b": b, "ctx": ctx, "prefill_s": [], "decode_ms": [], "decode_ms_difference": []}
         decoded = []
@@ -538,8 +564,9 @@ def _batch_note(r):
 
 
 def _tail_note(r):
-    return "decode ms/step " + ", ".join(f"B={c['b']} {c['ctx'] // 1024}k {statistics.median(c['decode_ms']):.3f}"
-                                         for c in r["cases"])
+    return "decode ms/step " + ", ".join(
+        f"B={c['b']} {c['ctx'] // 1024}k " + ("skipped" if "skipped" in c else f"{statistics.median(c['decode_ms']):.3f}")
+        for c in r["cases"])
 
 
 def _pooled_batch(runs):
@@ -558,6 +585,10 @@ def tail_summary(rounds, engines):
     for k, first in enumerate(rounds[0][engines[0]]["cases"]):
         b, ctx = first["b"], first["ctx"]
         row = {"b": b, "ctx": ctx}
+        skipped = [c["skipped"] for r in rounds for e in engines if "skipped" in (c := r[e]["cases"][k])]
+        if skipped:           # by any engine in any round: no time to set beside the other's
+            cases.append({**row, "skipped": skipped[0]})
+            continue
         for engine in engines:
             runs = [r[engine]["cases"][k] for r in rounds]
             ms = statistics.median(x for c in runs for x in c["decode_ms"])
@@ -575,11 +606,15 @@ def tail_summary(rounds, engines):
 
 def print_tail(tail, engines):
     cases = tail["cases"]
-    both = "plugin_speed" in cases[0]
+    timed = [row for row in cases if "skipped" not in row]
+    both = bool(timed) and "plugin_speed" in timed[0]
     cols = ["B", "context"] + [f"{e} {what}" for what in ("ms/step", "tok/s", "prefill s") for e in engines]
     cols += ["plugin x stock", "per round"] if both else []
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in cases:
+        if "skipped" in row:
+            print(f"| {row['b']} | {row['ctx']:,} | skipped: {row['skipped']} |" + " |" * (len(cols) - 3))
+            continue
         cells = [str(row["b"]), f"{row['ctx']:,}"] + [
             f"{row[e][key]:{form}}" for key, form in (("decode_ms", ".3f"), ("decode_tokens_per_s", ",.0f"),
                                                       ("prefill_s", ".3f")) for e in engines]
@@ -587,12 +622,13 @@ def print_tail(tail, engines):
             cells += [f"{row['plugin_speed']:.3f}", ", ".join(f"{x:.3f}" for x in row["plugin_speed_per_round"])]
         print("| " + " | ".join(cells) + " |")
     if both:
-        worst = min(cases, key=lambda row: row["plugin_speed"])
-        met = sum(row["plugin_speed"] >= tail["goal"] for row in cases)
+        worst = min(timed, key=lambda row: row["plugin_speed"])
+        met = sum(row["plugin_speed"] >= tail["goal"] for row in timed)
         print(f"\nplugin x stock: stock ms / plugin ms (> 1: the plugin decodes faster); goal >= {tail['goal']} at "
-              f"every B and context (issue 26): {met} of {len(cases)} cases; lowest {worst['plugin_speed']:.3f} "
-              f"(B={worst['b']}, context {worst['ctx']:,})")
-    for row in cases:
+              f"every B and context (issue 26): {met} of {len(timed)} cases"
+              f"{f' ({len(cases) - len(timed)} more skipped)' if len(timed) < len(cases) else ''}; lowest "
+              f"{worst['plugin_speed']:.3f} (B={worst['b']}, context {worst['ctx']:,})")
+    for row in timed:
         if "host_us" in row[engines[0]]:
             print_host_times(row, engines)
 

@@ -422,3 +422,35 @@ def test_host_times_split_each_decode_step_by_function_per_case(tmp_path, monkey
     printed = capsys.readouterr().out
     assert "host us a decode step, B=4 context 8,192 (inclusive; engine in-process):" in printed
     assert "  Runner.execute_model" + " " * 38 + "     160.0     160.0" in printed
+
+
+def test_a_case_the_kv_cache_cannot_hold_at_once_is_skipped_not_timed(capsys):
+    """On an H100 the stock engine held 62,787 tokens beside the 48-layer model's weights: B=16 x 8k
+    then decoded with sequences queued (6.5 ms a step against 16.6 at B=16 x 1k, 2026-12-06). Such a
+    case is skipped, with the tokens it needs, by the engine that cannot hold it, and left out of the
+    ratios; a case that fits is timed (the companion)."""
+    kv = (3924, 16)                                                      # the H100's stock engine
+    assert bench.too_big(kv, 4, 8192) is None and bench.too_big(None, 16, 32768) is None
+    assert bench.too_big(kv, 16, 8192) == "needs 135,424 tokens of KV cache at once, the engine holds 62,784"
+
+    class Engine:
+        vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=3924, block_size=16))
+
+        def step(self):
+            raise AssertionError("a skipped case ran")
+
+    llm = SimpleNamespace(llm_engine=Engine())
+    stock = bench.time_tail(llm, "stock", 3, 5000, [(16, 8192)])
+    assert stock == [{"b": 16, "ctx": 8192, "skipped": bench.too_big(kv, 16, 8192)}]
+    assert "[stock] tail B=16 context=8192: skipped: needs 135,424 tokens" in capsys.readouterr().out
+    plugin = [{"b": 16, "ctx": 8192, "prefill_s": [3.4], "decode_ms": [12.9]}]
+    fits = {"b": 1, "ctx": 1024, "prefill_s": [0.1], "decode_ms": [4.8]}
+    rounds = [{"stock": {"cases": [fits] + stock}, "plugin": {"cases": [dict(fits, decode_ms=[6.0])] + plugin}}]
+    tail = bench.tail_summary(rounds, ["stock", "plugin"])
+    assert tail["cases"][1] == {"b": 16, "ctx": 8192, "skipped": stock[0]["skipped"]}
+    assert tail["cases"][0]["plugin_speed"] == 4.8 / 6.0
+    bench.print_tail(tail, ["stock", "plugin"])
+    printed = capsys.readouterr().out
+    assert "| 16 | 8,192 | skipped: needs 135,424 tokens of KV cache at once, the engine holds 62,784 |" in printed
+    assert "(issue 26): 0 of 1 cases (1 more skipped); lowest 0.800 (B=1, context 1,024)" in printed
+    assert bench._tail_note({"cases": [fits] + stock}) == "decode ms/step B=1 1k 4.800, B=16 8k skipped"

@@ -79,11 +79,16 @@ ATTN_TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*f
               "Count": "*i32", "QStart": "*i32", "SeqLen": "*i32", "Table": "*i32", "qk_scale": "fp32"}
 
 
-def float_reductions(ir):
-    """(combining op, operand layout) of every floating-point tt.reduce in a TTGIR text."""
+def reductions(ir):
+    """(element type, combining op, operand layout) of every tt.reduce in a TTGIR text."""
     layouts = dict(re.findall(r"^(#\w+) = (#.*)$", ir, re.M))
     found = re.findall(r'"tt\.reduce"\(.*?\^bb0\(%\w+: (\w+).*?\):\s*%\w+ = (\S+).*?\}\) : \(tensor<\S+, (#\w+)>', ir, re.S)
-    return [(op, layouts[enc]) for ty, op, enc in found if ty.startswith(("f", "bf"))]
+    return [(ty, op, layouts[enc]) for ty, op, enc in found]
+
+
+def float_reductions(ir):
+    """(combining op, operand layout) of every floating-point tt.reduce in a TTGIR text."""
+    return [(op, layout) for ty, op, layout in reductions(ir) if ty.startswith(("f", "bf"))]
 
 
 def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(), hold=True):
@@ -100,8 +105,9 @@ def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=T
     return asm["ttgir"]
 
 
-def attention_reductions(paged, split, rows, warps, stages):
-    return float_reductions(attention_ttgir(paged, split, rows, warps, stages))
+def attention_row_reductions(paged, split, rows, warps, stages):
+    """(element type, op, layout) of the reductions over a key block's rows (the MMA's layout)."""
+    return [r for r in reductions(attention_ttgir(paged, split, rows, warps, stages)) if "_mma<" in r[2]]
 
 
 @pytest.mark.parametrize("tile", ["forward", "decode"])
@@ -110,21 +116,25 @@ def attention_reductions(paged, split, rows, warps, stages):
 def test_attention_forward_compiles_for_the_h200(paged, split, tile):
     """The forward kernel in its launch forms and both tiles, compiled for sm_90 to a cubin on the
     CPU: what the interpreter accepts and the GPU would not (a plain global read in a kernel, a type
-    error) fails here, before a device session (it did, 2026-12-04). Its float reductions, the row
-    max (exact in any order) and the row sum, keep a row inside one warp in both tiles: the forward's
-    wgmma tile puts its 4 warps on rows, the decode's 16-row tile has one warp, so a row's sum is its
-    thread's adds and its quad's shuffles in both (tests/gpu/test_triton_attention.py holds the bits)."""
+    error) fails here, before a device session (it did, 2026-12-04). Its reductions over a key block's
+    rows are the row max (exact in any order) and the row sum in int32 (exact in any order): no float
+    sum, so no tree (tests/gpu/test_triton_attention.py holds the bits)."""
     from consistent_ops.contract import TRITON_TILES
-    found = attention_reductions(paged, split, *TRITON_TILES["attention"][tile])
-    assert sorted({op for op, _ in found}) == ["arith.addf", "arith.maxnumf"]
-    assert all(re.search(r"warpsPerCTA = \[\d+, 1\]", layout) for _, layout in found), found
+    found = attention_row_reductions(paged, split, *TRITON_TILES["attention"][tile])
+    assert sorted({(ty, op) for ty, op, _ in found}) == [("f32", "arith.maxnumf"), ("i32", "arith.addi")], found
 
 
-def test_a_16_row_tile_of_4_warps_sums_across_warps():
-    """Companion: 16 rows on 4 warps split a row's columns over the warps (warpsPerCTA [1, 4]): another
-    tree, the tile that gave other bits on the H200 (2026-12-04)."""
-    found = attention_reductions(True, True, 16, 4, 3)
-    assert any("warpsPerCTA = [1, 4]" in layout for op, layout in found if op == "arith.addf")
+def test_the_decode_tile_sums_a_row_across_warps_the_forward_tile_inside_one():
+    """Companion: the two tiles reduce a row on different layouts (16 rows of 4 warps split a row's
+    keys over the warps, warpsPerCTA [1, 4]; the forward's wgmma warps hold whole rows, [4, 1]), so a
+    float row sum would take two trees: it gave other bits on the H200 (2026-12-04). Only the exact
+    integer sum makes the decode tile's bits the forward's."""
+    from consistent_ops.contract import TRITON_TILES
+    tiles = TRITON_TILES["attention"]
+    decode = {layout for ty, _, layout in attention_row_reductions(True, True, *tiles["decode"]) if ty == "i32"}
+    forward = {layout for ty, _, layout in attention_row_reductions(False, False, *tiles["forward"]) if ty == "i32"}
+    assert all("warpsPerCTA = [1, 4]" in layout for layout in decode) and decode
+    assert all(re.search(r"warpsPerCTA = \[4, 1\]", layout) for layout in forward) and forward
 
 
 @pytest.mark.parametrize("off32", [True, False])

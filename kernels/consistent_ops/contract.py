@@ -41,6 +41,13 @@ TRUNCATION_FIXED_BITS = 60
 # The Triton backend's log-softmax walks the vocabulary in blocks of this many columns,
 # in order, into an accumulator of this width (triton/logprobs.py).
 TRITON_LOGPROB_BLOCK = 4096
+# The Triton backend's attention sums a key block's p (each in [0, 1 + 2^-19]) per row in int32
+# fixed point with this many fraction bits: one fp32 add of 1.5 * 2^(23 - bits) rounds p to the
+# grid (the sum lands in the binade whose ulp is 2^-bits), its bits less the constant's are the
+# integer, and integers add exactly: no reduction tree, warps splitting a row's keys included, can
+# reach the bits (KV_BLOCK * 2^bits * (1 + 2^-19) < 2^31). Error <= 2^-(bits+1) a key against a
+# row sum >= 1 (the row max's own p is 1); the p that meets V is rounded to bf16 (2^-9) anyway.
+TRITON_ATTENTION_SUM_BITS = 21
 # The Triton backend's tiles and launch shapes, as data: the kernels (triton/*.py) import
 # them, and the fingerprint of every backend running those kernels (triton, ascend) hashes
 # them, so a tile that changes (and with it, possibly, an order of a sum) changes the
@@ -65,7 +72,7 @@ TRITON_TILES = {
     },
     "attention": {
         "forward": (64, 4, 3),              # (rows = (token, query head) pairs, warps, stages)
-        "decode": (16, 1, 3),               # paged steps of one new token a sequence: one warp, the same bits
+        "decode": (16, 4, 3),               # paged steps of one new token a sequence: the same bits
         "backward_dkdv": (64, 64, 4),       # (rows, keys, warps)
         "backward_stages": 2,
         "backward_dq": (4, 3),              # (warps, stages)
@@ -183,19 +190,22 @@ ACCUMULATION = {
             "fp32 times the routing weight), a 16-row tile up to 2048 (token, slot) rows, a 64-row tile up to "
             "8192 and a 128-row tile above, all giving identical bits on the H200; "
             "attention: softmax base 2, p rounded to the value dtype for contract_dot(p, v), acc*a fed as "
-            "the MMA accumulator; a row's max and sum inside one warp: 64-row tiles ((token, query head) "
-            "pairs, 4 warps: a wgmma warpgroup, a warp's 16 rows), 16-row tiles of one warp (mma.sync) for "
-            "paged steps of one token a sequence (CUDA), a row held by a quad of threads in the same column order "
-            "in both; a tile's KV chunks folded in its program, or (small paged batches) one program per "
-            "chunk writing fp32 states that the tile's last program to finish folds in chunk order"),
+            "the MMA accumulator; rowsum(p) = (sum over the block of round(p * 2^TRITON_ATTENTION_SUM_BITS) "
+            "in int32, exact) converted to fp32 (round to nearest) times 2^-TRITON_ATTENTION_SUM_BITS, the "
+            "rounding by one fp32 add of 1.5 * 2^(23 - TRITON_ATTENTION_SUM_BITS); so any tile and warp "
+            "layout gives the same bits: 64-row tiles ((token, query head) pairs, 4 warps: a wgmma "
+            "warpgroup) and 16-row tiles of 4 warps (mma.sync, a row's keys across the warps) for paged "
+            "steps of one token a sequence (CUDA); a tile's KV chunks folded in its program, or (small "
+            "paged batches) one program per chunk writing fp32 states that the tile's last program to "
+            "finish folds in chunk order"),
         "reductions": (
             "fp32, whole rows per program (RMSNorm packs rows of H < 2048 to 2048 elements a program), each row "
             "reduced along its own axis, tree shape a function of the row length only (RMSNorm, router "
             "softmax; without autograd the router's top-k and renormalisation run in the same kernel); "
             f"log-softmax walks the vocabulary in blocks of {TRITON_LOGPROB_BLOCK} in order into a "
             f"{TRITON_LOGPROB_BLOCK}-wide fp32 accumulator (lane j: columns j, j + {TRITON_LOGPROB_BLOCK}, ... "
-            "in order), stored, then one tree sum over the stored row; attention row max/sum stay "
-            "inside one warp"),
+            "in order), stored, then one tree sum over the stored row; attention row max exact in any "
+            "order, row sums in integers (see contract_dot)"),
         "transcendentals": (
             "exp/log in fp64 (libdevice) rounded to fp32, except the attention online softmax: fp32 exp2 "
             "(ex2.approx, exp2(0) = 1 and exp2(-inf) = 0 exactly); sqrt and division IEEE (sqrt_rn, div_rn); "
@@ -305,6 +315,7 @@ def contract_text(backend: str, realisation=None, model=None) -> str:
            "backend": backend, "accumulation": ACCUMULATION[backend]}
     if backend in TILED_BACKENDS:
         doc["triton_tiles"] = TRITON_TILES
+        doc["triton_attention_sum_bits"] = TRITON_ATTENTION_SUM_BITS
     if realisation is not None:
         doc["realisation"] = realisation
     if model is not None:

@@ -94,10 +94,10 @@ def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
     assert_rows_equal(run_schedule(qkv, steps, 16), train)
 
 
-@pytest.mark.parametrize("rows, warps", [(16, 1), (64, 4)])
+@pytest.mark.parametrize("rows, warps", [(16, 4), (16, 1), (64, 4)])
 @pytest.mark.parametrize("split", [True, False])
 def test_decode_equals_train(qkv, train, split, rows, warps, monkeypatch):
-    """Pure decode batches (the decode tile's 16 rows, and the forward tile's 64) for the last 8
+    """Pure decode batches (the decode tile's 16 rows of 4 warps, of one, and the forward tile's 64) for the last 8
     tokens of every sequence, with one program per KV chunk, the last of a tile's folding (what so
     small a batch gets), and without."""
     from consistent_ops.triton import attention as ta
@@ -110,12 +110,12 @@ def test_decode_equals_train(qkv, train, split, rows, warps, monkeypatch):
     assert_rows_equal({r: got[r] for r in decoded}, train)
 
 
-@pytest.mark.parametrize("rows, warps", [(16, 1), (64, 4), (128, 8)])
+@pytest.mark.parametrize("rows, warps", [(16, 4), (16, 1), (16, 2), (32, 2), (64, 4), (128, 8)])
 def test_any_tile_gives_the_same_bits(qkv, train, rows, warps):
-    """The decode's 16 rows of one warp (mma.sync) and wgmma tiles of 16 rows a warp (64 of 4, 128
-    of 8) give the training forward's bits: a row's scores and output are the same MMA steps, its
-    max and sum its thread's and its quad's (tests/test_triton_layouts.py checks the layouts).
-    32 rows of 2 warps (mma.sync) gave other bits on the H100 (2026-12-05): not a contract tile."""
+    """mma.sync tiles of 16 rows (1, 2 or 4 warps: a row's keys across the warps), 32 of 2, and wgmma
+    tiles (64 of 4, 128 of 8) give the training forward's bits: a row's scores and output are the same
+    MMA steps, its max exact and its sum in integers (tests/test_triton_layouts.py checks the layouts).
+    With a float row sum, 16 of 4 (H200, 2026-12-04) and 32 of 2 (H100, 2026-12-05) gave other bits."""
     from consistent_ops.contract import attention_scale
     from consistent_ops.triton import attention as ta
     q, k, v = qkv

@@ -9,8 +9,8 @@ order, with the contract's online-softmax update; the varlen (training) and page
 the arithmetic is the same, so are the bits). A row's bits depend on its q, its position
 and the keys only:
 - every row sees the same instructions: its scores and output are MMAs (the same k16 steps
-  in wgmma's 64-row tiles and mma.sync's 16-row decode tiles), its max/sum never leave its
-  warp, where a quad of threads holds it in the same column order in both tiles;
+  in wgmma's 64-row tiles and mma.sync's 16-row decode tiles), its max is exact in any
+  order and its sum is taken in integers (_row_sum), so no tile or warp layout reaches them;
 - a block a row cannot see is an exact no-op (a = exp2(0) = 1, p = exp2(-inf) = 0), so
   a tile that walks further for its later rows leaves earlier rows' bits unchanged.
 Keys come in KV chunks (contract.KV_CHUNK): the state restarts at each chunk and a tile folds
@@ -32,12 +32,13 @@ buffer is bounded: query tiles run in windows whose dS fits _DS_BYTES (_ds_windo
 """
 import functools
 import logging
+import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from ..contract import KV_BLOCK, KV_CHUNK, TRITON_TILES, attention_scale
+from ..contract import KV_BLOCK, KV_CHUNK, TRITON_ATTENTION_SUM_BITS, TRITON_TILES, attention_scale
 from . import gemm
 from .common import EXACT
 
@@ -49,12 +50,17 @@ log = logging.getLogger("consistent_ops")
 # instructions the same by construction.
 _A = TRITON_TILES["attention"]
 _TILE, _STAGES = _A["forward"][:2], _A["forward"][2]
-# Decode steps (paged, one new token a sequence: G real rows a tile) take 16-row tiles of one warp
-# (a quarter of the wasted rows): a row's sum is then its thread's adds and its quad's shuffles, as
-# in a wgmma warp of the 64-row tile (4 warps on 16 rows each would sum across warps: other bits,
-# tests/test_triton_layouts.py). H100 (probe_decode_split, 2026-12-05): 67 vs 85 us a launch at
-# B=1 x 32k, 158 vs 187 at B=4 x 32k; the paged B=32 x 16k kernel at 85 % of the HBM roofline.
+# Decode steps (paged, one new token a sequence: G real rows a tile) take 16-row tiles (a quarter
+# of the wasted rows) of 4 warps, each on a quarter of a key block: a row's sum then crosses warps,
+# which the integer row sum makes harmless (tests/test_triton_layouts.py). H100 (probe_decode_split,
+# 2026-12-06, its float sum: other bits then): 14.4 vs 21.4 us a launch at B=1 x 1k, 17.6 vs 29.5
+# at 8k, 50.6 vs 71.1 at 32k against one warp.
 _DECODE_TILE = _A["decode"]
+# rowsum(p) in int32 fixed point (contract.TRITON_ATTENTION_SUM_BITS): p + _SUM_BIAS stays in the
+# bias's binade, whose fp32 ulp is the grid 2^-bits, so its bits less the bias's are round(p * 2^bits).
+_SUM_BIAS = tl.constexpr(1.5 * 2.0 ** (23 - TRITON_ATTENTION_SUM_BITS))
+_SUM_BIAS_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", _SUM_BIAS.value))[0])
+_SUM_SCALE = tl.constexpr(2.0 ** -TRITON_ATTENTION_SUM_BITS)
 # Backward: the dK/dV kernel (tile: rows, keys, warps) walks every (query tile, key block)
 # pair once and also stores the pair's dS (bf16); dQ is then one matmul (dS K) over those
 # blocks in key order: 5 matmuls, no atomics, deterministic. dK/dV (64, 64, 4) holds 255
@@ -198,9 +204,17 @@ def _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_
         m0 = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.exp2(m - m0)
     p = tl.exp2(tl.fma(qk, qk_scale, -m0[:, None]))                  # one rounding
-    l = l * a + tl.sum(p, 1)
+    l = l * a + _row_sum(p)
     acc = tl.dot(p.to(v.dtype), v, acc * a[:, None])                 # p rounded to v's dtype
     return acc, m_new, l
+
+
+@triton.jit
+def _row_sum(p):
+    """The contract's rowsum(p) of a [rows, keys] block: each p rounded to the 2^-bits grid by one
+    add, summed as integers (exact in any order), converted once."""
+    grid = (p + _SUM_BIAS).to(tl.int32, bitcast=True) - _SUM_BIAS_BITS
+    return tl.sum(grid, 1).to(tl.float32) * _SUM_SCALE
 
 
 @triton.jit
