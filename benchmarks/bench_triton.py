@@ -41,6 +41,20 @@ def bench_graph(fn):
     return do_bench_cudagraph(fn, rep=200, return_mode="median")
 
 
+class Cold:
+    """Milliseconds of a launch after a read of COLD_BYTES, less that read's own time: its operands
+    out of L2, as in a model step, where ~6 GB of weights pass between two uses of a layer's (a read
+    leaves no dirty lines to write back). Graph replays keep what they read in L2 (50 MB), which a
+    layer's weights (17-21 MB a GEMM) and a short K/V fit."""
+
+    def __init__(self):
+        self.flush = torch.zeros(COLD_BYTES // 2, dtype=BF16, device=DEV)
+        self.flush_ms = bench_graph(self.flush.amax)
+
+    def __call__(self, fn):
+        return bench_graph(lambda: (self.flush.amax(), fn())) - self.flush_ms
+
+
 def rand(*shape, scale=1.0, dtype=BF16):
     return (torch.randn(*shape, device=DEV) * scale).to(dtype)
 
@@ -364,8 +378,11 @@ def probe_linear_decode():
     more, shorter programs (no split-K: the contract's one accumulator) against cuBLAS and the
     tile in use, per layer shape; bits against the tile in use's rows. K steps of 512: a program's K
     walk is a chain (o_proj M 1: 16 steps of 256 in 9.9 us against cuBLAS's 7.6, H100 2026-12-05), and
-    the MMA's k16 steps keep their order at any BLOCK_K (the same bits)."""
+    the MMA's k16 steps keep their order at any BLOCK_K (the same bits). Each time warm (graph replays:
+    the weights stay in L2) / cold (Cold: as in the step, where the B=1 GEMMs averaged 9.97 us a launch
+    against ~7 warm, H100 2026-12-06); tiles ranked cold."""
     from consistent_ops.triton import gemm
+    cold = Cold()
     tiles = [(16, bn, bk, 1, w, st, tma) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 4), (4, 6), (2, 4))
              for tma in (False, True)]
     for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048)), ("router", (2048, 128)),
@@ -373,19 +390,23 @@ def probe_linear_decode():
         w, x = rand(n, k, scale=k ** -0.5), rand(16, k)
         for m in (1, 4, 16):
             base = gemm.matmul(x[:m], w)
-            stock = _graph_ms(lambda: F.linear(x[:m], w))
-            ours = _graph_ms(lambda: gemm.matmul(x[:m], w))
+
+            def times(fn):
+                return f"{_graph_ms(fn) * 1e3:.1f} / {cold(fn) * 1e3:.1f} us"
+            stock, ours = times(lambda: F.linear(x[:m], w)), times(lambda: gemm.matmul(x[:m], w))
             best = []
             for cfg in tiles:
                 try:
                     same = torch.equal(gemm.matmul(x[:m], w, cfg=cfg), base)
-                    best.append((_graph_ms(lambda cfg=cfg: gemm.matmul(x[:m], w, cfg=cfg)), cfg, same))
+                    run = lambda cfg=cfg: gemm.matmul(x[:m], w, cfg=cfg)  # noqa: E731
+                    best.append((cold(run), _graph_ms(run), cfg, same))
                 except Exception as e:
                     print(f"  {name} M={m} {cfg}: failed {type(e).__name__}: {str(e)[:60]}", flush=True)
             best.sort()
-            print(f"probe linear decode {name} M={m}: cuBLAS {stock * 1e3:.1f} us, in use {gemm._config(m, n)} "
-                  f"{ours * 1e3:.1f} us; fastest: " + "; ".join(f"{c} {t * 1e3:.1f} us bits {'same' if sm else 'DIFF'}"
-                                                            for t, c, sm in best[:4]), flush=True)
+            print(f"probe linear decode {name} M={m} (warm / cold): cuBLAS {stock}, in use {gemm._config(m, n)} "
+                  f"{ours}; fastest cold: " + "; ".join(f"{c} {t * 1e3:.1f} / {tc * 1e3:.1f} us bits "
+                                                        f"{'same' if sm else 'DIFF'}" for tc, t, c, sm in best[:4]),
+                  flush=True)
 
 
 def _probe_variants(label, runs, variants, rounds=5):
@@ -465,9 +486,7 @@ def probe_decode_split():
                 "stages 5": dict(tile=(16, 1, 5)), "fold 2": dict(fold_stages=2), "fold 6": dict(fold_stages=6),
                 "int64": dict(off32=False), "table in loop": dict(hold=False),
                 "unsplit": dict(split=False), "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}
-    cold = ("default", "table in loop")
-    flush = torch.zeros(COLD_BYTES // 2, dtype=BF16, device=DEV)
-    flush_ms = bench_graph(flush.amax)
+    cold, cold_ms = ("default", "table in loop"), Cold()
     for page in (16,):          # page 32 gave the same times (2026-12-04)
         for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
             for width in (ctx, 40960) if batch <= 4 else (ctx,):
@@ -489,8 +508,7 @@ def probe_decode_split():
                         cells.append(f"{name} {bench_graph(lambda kw=kw: run(**kw)) * 1e3:.1f} us"
                                      + ("" if same else " DIFF"))
                         if name in cold:
-                            ms = bench_graph(lambda kw=kw: (flush.amax(), run(**kw))) - flush_ms
-                            cells.append(f"{name} cold {ms * 1e3:.1f} us")
+                            cells.append(f"{name} cold {cold_ms(lambda kw=kw: run(**kw)) * 1e3:.1f} us")
                     except Exception as e:
                         cells.append(f"{name} failed {type(e).__name__}")
                 print(f"probe decode split page={page} B={batch} ctx={ctx} table {width}: " + "; ".join(cells),

@@ -564,9 +564,9 @@ def _batch_note(r):
 
 
 def _tail_note(r):
-    return "decode ms/step " + ", ".join(
-        f"B={c['b']} {c['ctx'] // 1024}k " + ("skipped" if "skipped" in c else f"{statistics.median(c['decode_ms']):.3f}")
-        for c in r["cases"])
+    def ms(c):
+        return "skipped" if "skipped" in c else f"{statistics.median(c['decode_ms']):.3f}"
+    return "decode ms/step " + ", ".join(f"B={c['b']} {c['ctx'] // 1024}k {ms(c)}" for c in r["cases"])
 
 
 def _pooled_batch(runs):
