@@ -634,11 +634,12 @@ MOE_PROBE = [(64, (64, 64, 4, 4), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (256, 6
 
 def probe_moe():
     """Each (BM, gate_up, down) entry: ms of the expert kernels (plan included, graph replays) at T tokens,
-    and whether the contributions equal the first entry's bit for bit."""
+    and whether the contributions equal the first entry's bit for bit; at decode T (<= 64) also cold
+    (Cold: the step reads its experts from HBM; 8 experts are 75 MB, partly in L2 across replays)."""
     h, inter, e, topk = 2048, 768, 128, 8
     w_gate_up = torch.cat([rand(e, inter, h, scale=h ** -0.5), rand(e, inter, h, scale=h ** -0.5)], 1)
     wd = rand(e, h, inter, scale=inter ** -0.5)
-    local = list(range(e))
+    local, cold = list(range(e)), Cold()
     for t in (1, 8, 64, 256, 512, 1024, 8192):    # 1 .. 512: decode batches
         x = rand(t, h)
         ids, w = co.moe_route(x, rand(e, h, scale=h ** -0.5), topk)
@@ -650,7 +651,8 @@ def probe_moe():
                 out = run()[0]
                 base = out if base is None else base
                 ms = _graph_ms(run)          # graph replays: the plan is capturable
-                print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: {ms:.3f} ms bits "
+                cold_ms = f" (cold {cold(run):.3f})" if t <= 64 else ""
+                print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: {ms:.3f} ms{cold_ms} bits "
                       f"{'same' if torch.equal(out, base) else 'DIFF'}", flush=True)
             except Exception as ex:
                 print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: failed {type(ex).__name__}: {str(ex)[:80]}", flush=True)
