@@ -624,8 +624,8 @@ MOE_PROBE = [(64, (64, 64, 4, 4), (256, 64, 8, 3)), (64, (64, 64, 4, 4), (256, 6
              (16, (64, 256, 4, 3), (64, 256, 4, 3)), (16, (32, 128, 2, 4), (32, 128, 2, 4)),
              # B=1 on the H100 (2026-12-06): the decode tile above fastest warm (0.040 ms at T=1), its
              # gate_up 48 programs of 1 MB at 23.5 us in the step (71 % of the copy bandwidth): 384 of
-             # 128 KB, and the decode tile one stage deeper
-             (16, (16, 256, 2, 4), (32, 256, 2, 4)), (16, (128, 128, 4, 4), (128, 128, 4, 4)),
+             # 128 KB
+             (16, (16, 256, 2, 4), (32, 256, 2, 4)),
              # the full RL batch (T=512: 4,096 rows; the plugin's experts 1.30x stock's fused_moe in vLLM):
              # the mid tile with 128-deep K steps
              (64, (64, 128, 4, 4), (128, 128, 4, 4)), (64, (128, 128, 8, 3), (256, 64, 8, 3)),
