@@ -458,62 +458,49 @@ def probe_attention():
 
 
 def probe_decode_split():
-    """The decode tail's paged launch alone (B=1 x 1k took 31 us a layer, B=1 x 32k 93 us in the
-    48-layer step, 2026-12-03): graph-replayed us per call at B 1 / 4 and context 1k / 8k / 32k, by
-    page size and by table width, and at B=16 x 32k and B=64 x 8k (the 48-layer B=64 x 8k step took
-    35.1 ms on the H200 with the decode tile, 30.4 with the forward's: 2026-12-05) at theirs (vLLM sizes the table by max_model_len: 40,960 tokens here, so 80
-    KV chunks of programs, most returning at once), for a forward tile, KV chunk sizes and
-    unsplit; bits against the default launch."""
+    """The decode tail's paged launch alone: graph-replayed us per call at B 1 / 4 and context 1k / 8k /
+    32k with vLLM's table width (40,960 tokens: 80 KV chunks of programs, most returning at once), and
+    at B=16 x 32k and B=64 x 8k, for other tiles, the page ids read in the loop and a shorter KV chunk;
+    bits against the default launch."""
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
-    # 2026-12-04/05: stages 2 / 4, warps 8, 16 rows of 2 warps and 32 of 2 measured (RESULTS.md); 16
-    # rows of 4 warps were fastest (B=1: 16 vs 25 us at 1k, 50 vs 67 at 32k), their float row sum
-    # across warps other bits until the row sum went to integers (2026-12-06): the decode tile
-    # (default here) is now 16 rows of 4 warps, "one warp" the tile before, "rows 64" the forward's.
-    # A chunk walk is a serial chain of ~1.2 us a key block: shorter KV chunks (a contract change,
-    # other bits) ask how many more programs buy at decode, against a longer fold. "stages 5": the
-    # walk's K/V copies of three key blocks in flight while one is computed (3 stages: one; 135 vs 70
-    # KB of shared memory a program); "fold N": the split fold's pipeline stages (default 4; 2: one state ahead,
-    # as the hand-written prefetch before 2026-12-05); "int64": the cache's offsets in 64 bits (a
-    # cache past int32; sm_90 compile: 948 vs 811 SASS instructions a key block, 1,149 before
-    # 2026-12-06); "table in loop": the split walk's page ids read inside its loop, as before
-    # 2026-12-06 evening (the compile then waited on every K/V copy; now a chunk's ids are read
-    # before the loop and the copies run two blocks ahead). All of these keep the bits. "cold": the
-    # same launch after a read of COLD_BYTES (K/V out of L2, as in a model step, where ~6 GB of
-    # weights pass between two layers' attention; a read leaves no dirty lines to write back), less
-    # that read's own time.
-    variants = {"default": {}, "rows 64": dict(tile=(64, 4, 3)), "one warp": dict(tile=(16, 1, 3)),
-                "stages 5": dict(tile=(16, 1, 5)), "fold 2": dict(fold_stages=2), "fold 6": dict(fold_stages=6),
-                "int64": dict(off32=False), "table in loop": dict(hold=False),
-                "unsplit": dict(split=False), "chunk 256": dict(chunk=256), "chunk 128": dict(chunk=128)}
+    # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-28) and dropped from the list:
+    # stages 2 / 4 / 5, fold stages 2 / 6, int64 offsets, the forward's 64 rows, unsplit, chunks of 128
+    # keys, the table's width. Kept: the decode tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at
+    # B=1 x 1k), the page ids read in the walk's loop as before 2026-12-06 ("table in loop"), chunks of
+    # 256 keys (a contract change, other bits: more programs against a longer fold), 8 warps on 16
+    # rows (the same bits since the integer row sum). "cold": the same launch after a read of
+    # COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
+    variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
+                "table in loop": dict(hold=False), "chunk 256": dict(chunk=256)}
     cold, cold_ms = ("default", "table in loop"), Cold()
-    for page in (16,):          # page 32 gave the same times (2026-12-04)
-        for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
-            for width in (ctx, 40960) if batch <= 4 else (ctx,):
-                kv = PagedKV(1, batch * width // page + 8, page, HKV, D, BF16, DEV)
-                kv.k[0].normal_(), kv.v[0].normal_()
-                _, _, bt, seq_lens, _ = kv.plan([(i, ctx) for i in range(batch)])
-                table = torch.zeros(batch, width // page, dtype=torch.int32, device=DEV)
-                table[:, :bt.shape[1]] = bt
-                q = rand(batch, HQ, D)
-                qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+    page = 16                   # page 32 gave the same times (2026-12-04)
+    for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
+        width = 40960 if batch <= 4 else ctx
+        kv = PagedKV(1, batch * width // page + 8, page, HKV, D, BF16, DEV)
+        kv.k[0].normal_(), kv.v[0].normal_()
+        _, _, bt, seq_lens, _ = kv.plan([(i, ctx) for i in range(batch)])
+        table = torch.zeros(batch, width // page, dtype=torch.int32, device=DEV)
+        table[:, :bt.shape[1]] = bt
+        q = rand(batch, HQ, D)
+        qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
 
-                def run(**kw):
-                    return ta._forward(q, kv.k[0], kv.v[0], qsl, seq_lens, table, D ** -0.5, True, **kw)
-                base = run()
-                cells = []
-                for name, kw in variants.items():
-                    try:
-                        same = torch.equal(run(**kw), base)
-                        cells.append(f"{name} {bench_graph(lambda kw=kw: run(**kw)) * 1e3:.1f} us"
-                                     + ("" if same else " DIFF"))
-                        if name in cold:
-                            cells.append(f"{name} cold {cold_ms(lambda kw=kw: run(**kw)) * 1e3:.1f} us")
-                    except Exception as e:
-                        cells.append(f"{name} failed {type(e).__name__}")
-                print(f"probe decode split page={page} B={batch} ctx={ctx} table {width}: " + "; ".join(cells),
-                      flush=True)
-                del kv
+        def run(**kw):
+            return ta._forward(q, kv.k[0], kv.v[0], qsl, seq_lens, table, D ** -0.5, True, **kw)
+        base = run()
+        cells = []
+        for name, kw in variants.items():
+            try:
+                same = torch.equal(run(**kw), base)
+                cells.append(f"{name} {bench_graph(lambda kw=kw: run(**kw)) * 1e3:.1f} us"
+                             + ("" if same else " DIFF"))
+                if name in cold:
+                    cells.append(f"{name} cold {cold_ms(lambda kw=kw: run(**kw)) * 1e3:.1f} us")
+            except Exception as e:
+                cells.append(f"{name} failed {type(e).__name__}")
+        print(f"probe decode split page={page} B={batch} ctx={ctx} table {width}: " + "; ".join(cells),
+              flush=True)
+        del kv
 
 
 BWD_SHAPES = ((4096, 4), (8192, 2), (16384, 1), (4096, 1))   # S x seqs; 4k x1: the actor's one sequence
