@@ -110,9 +110,9 @@ def test_decode_equals_train(qkv, train, split, rows, warps, monkeypatch):
     assert_rows_equal({r: got[r] for r in decoded}, train)
 
 
-@pytest.mark.parametrize("rows, warps", [(16, 4), (16, 1), (16, 2), (32, 2), (64, 4), (128, 8)])
+@pytest.mark.parametrize("rows, warps", [(16, 4), (16, 1), (16, 2), (16, 8), (32, 2), (64, 4), (128, 8)])
 def test_any_tile_gives_the_same_bits(qkv, train, rows, warps):
-    """mma.sync tiles of 16 rows (1, 2 or 4 warps: a row's keys across the warps), 32 of 2, and wgmma
+    """mma.sync tiles of 16 rows (1, 2, 4 or 8 warps: a row's keys across the warps), 32 of 2, and wgmma
     tiles (64 of 4, 128 of 8) give the training forward's bits: a row's scores and output are the same
     MMA steps, its max exact and its sum in integers (tests/test_triton_layouts.py checks the layouts).
     With a float row sum, 16 of 4 (H200, 2026-12-04) and 32 of 2 (H100, 2026-12-05) gave other bits."""
