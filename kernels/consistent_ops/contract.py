@@ -41,12 +41,13 @@ TRUNCATION_FIXED_BITS = 60
 # The Triton backend's log-softmax walks the vocabulary in blocks of this many columns,
 # in order, into an accumulator of this width (triton/logprobs.py).
 TRITON_LOGPROB_BLOCK = 4096
-# The Triton backend's attention sums a key block's p (each in [0, 1 + 2^-19]) per row in int32
-# fixed point with this many fraction bits: one fp32 add of 1.5 * 2^(23 - bits) rounds p to the
-# grid (the sum lands in the binade whose ulp is 2^-bits), its bits less the constant's are the
-# integer, and integers add exactly: no reduction tree, warps splitting a row's keys included, can
-# reach the bits (KV_BLOCK * 2^bits * (1 + 2^-19) < 2^31). Error <= 2^-(bits+1) a key against a
-# row sum >= 1 (the row max's own p is 1); the p that meets V is rounded to bf16 (2^-9) anyway.
+# The Triton backend's attention sums a key block's p per row in int32 fixed point with this many
+# fraction bits: one fp32 add of 1.5 * 2^(23 - bits) rounds p to the grid (the sum lands in the
+# binade whose ulp is 2^-bits), its bits less the constant's are the integer, and integers add
+# exactly: no reduction tree, warps splitting a row's keys included, can reach the bits. p is in
+# [0, 2) (above 1 only by the rounding of the row max m', half an ulp of it: < 1 while |m'| < 2^24),
+# so the sum stays in the binade and KV_BLOCK * 2^bits * 2 < 2^31. Error <= 2^-(bits+1) a key
+# against a row sum >= 1 (the row max's own p); the p that meets V is rounded to bf16 (2^-9) anyway.
 TRITON_ATTENTION_SUM_BITS = 21
 # The Triton backend's tiles and launch shapes, as data: the kernels (triton/*.py) import
 # them, and the fingerprint of every backend running those kernels (triton, ascend) hashes
