@@ -469,10 +469,11 @@ def probe_decode_split():
     # keys, the table's width. Kept: the decode tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at
     # B=1 x 1k), the page ids read in the walk's loop as before 2026-12-06 ("table in loop"), chunks of
     # 256 keys (a contract change, other bits: more programs against a longer fold), 8 warps on 16
-    # rows (the same bits since the integer row sum). "cold": the same launch after a read of
-    # COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
+    # rows (the same bits since the integer row sum), and the fold 6 states ahead ("fold 8": at B=1 x
+    # 32k the 64 chunks cost ~0.4 us each, the fold the serial part). "cold": the same launch after a
+    # read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
-                "table in loop": dict(hold=False), "chunk 256": dict(chunk=256)}
+                "table in loop": dict(hold=False), "fold 8": dict(fold_stages=8), "chunk 256": dict(chunk=256)}
     cold, cold_ms = ("default", "table in loop"), Cold()
     page = 16                   # page 32 gave the same times (2026-12-04)
     for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
