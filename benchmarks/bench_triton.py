@@ -474,7 +474,7 @@ def probe_decode_split():
     # read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
                 "table in loop": dict(hold=False), "fold 8": dict(fold_stages=8), "chunk 256": dict(chunk=256)}
-    cold, cold_ms = ("default", "table in loop"), Cold()
+    cold, cold_variants = Cold(), ("default", "table in loop")
     page = 16                   # page 32 gave the same times (2026-12-04)
     for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
         width = 40960 if batch <= 4 else ctx
@@ -495,8 +495,8 @@ def probe_decode_split():
                 same = torch.equal(run(**kw), base)
                 cells.append(f"{name} {bench_graph(lambda kw=kw: run(**kw)) * 1e3:.1f} us"
                              + ("" if same else " DIFF"))
-                if name in cold:
-                    cells.append(f"{name} cold {cold_ms(lambda kw=kw: run(**kw)) * 1e3:.1f} us")
+                if name in cold_variants:
+                    cells.append(f"{name} cold {cold(lambda kw=kw: run(**kw)) * 1e3:.1f} us")
             except Exception as e:
                 cells.append(f"{name} failed {type(e).__name__}")
         print(f"probe decode split page={page} B={batch} ctx={ctx} table {width}: " + "; ".join(cells),
@@ -643,8 +643,8 @@ def probe_moe():
                 out = run()[0]
                 base = out if base is None else base
                 ms = _graph_ms(run)          # graph replays: the plan is capturable
-                cold_ms = f" (cold {cold(run):.3f})" if t <= 64 else ""
-                print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: {ms:.3f} ms{cold_ms} bits "
+                cold_cell = f" (cold {cold(run):.3f})" if t <= 64 else ""
+                print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: {ms:.3f} ms{cold_cell} bits "
                       f"{'same' if torch.equal(out, base) else 'DIFF'}", flush=True)
             except Exception as ex:
                 print(f"  moe T={t} BM{bm} gu{gu} dn{dn}: failed {type(ex).__name__}: {str(ex)[:80]}", flush=True)
