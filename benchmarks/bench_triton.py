@@ -457,31 +457,34 @@ def probe_attention():
                                             dict(chunk=128)))
 
 
-def probe_decode_split():
+def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)),
+                       only=None, width=None):
     """The decode tail's paged launch alone: graph-replayed us per call at B 1 / 4 and context 1k / 8k /
     32k with vLLM's table width (40,960 tokens: 80 KV chunks of programs, most returning at once), and
     at B=16 x 32k and B=64 x 8k, for other tiles, the page ids read in the loop and a shorter KV chunk;
-    bits against the default launch."""
+    bits against the default launch. only: these variants alone; width: the table's, for every case."""
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
-    # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-28) and dropped from the list:
-    # stages 2 / 4 / 5, fold stages 2 / 6, int64 offsets, the forward's 64 rows, unsplit, chunks of 128
-    # keys, the table's width. Kept: the decode tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at
-    # B=1 x 1k), the page ids read in the walk's loop as before 2026-12-06 ("table in loop"), chunks of
-    # 256 keys (a contract change, other bits: more programs against a longer fold), 8 warps on 16
-    # rows (the same bits since the integer row sum), and the fold 6 states ahead ("fold 8": at B=1 x
-    # 32k the 64 chunks cost ~0.4 us each, the fold the serial part). "cold": the same launch after a
-    # read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
+    # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-29) and dropped from the list:
+    # stages 2 / 4 / 5, fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an iteration, int64 offsets, the
+    # forward's 64 rows, unsplit, chunks of 128 keys, the table's width. Kept: the decode tile before
+    # 2026-12-06 ("one warp": 20.8 vs 14.3 us at B=1 x 1k), the page ids read in the walk's loop as
+    # before 2026-12-06 ("table in loop"), chunks of 256 keys (a contract change, other bits: more
+    # programs against a longer fold), 8 warps on 16 rows (the same bits since the integer row sum),
+    # and the fold over a decode tile's real half of rows ("fold half": a fold step is ~0.24 us,
+    # probe_fold_length, issue-bound: 98 SASS instructions a step against 152). "cold": the same
+    # launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
-                "table in loop": dict(hold=False), "fold 8": dict(fold_stages=8), "chunk 256": dict(chunk=256)}
+                "table in loop": dict(hold=False), "fold half": dict(fold_half=True), "chunk 256": dict(chunk=256)}
+    variants = {k: v for k, v in variants.items() if only is None or k in only}
     cold, cold_variants = Cold(), ("default", "table in loop")
     page = 16                   # page 32 gave the same times (2026-12-04)
-    for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)):
-        width = 40960 if batch <= 4 else ctx
-        kv = PagedKV(1, batch * width // page + 8, page, HKV, D, BF16, DEV)
+    for batch, ctx in cases:
+        cols = width or (40960 if batch <= 4 else ctx)
+        kv = PagedKV(1, batch * cols // page + 8, page, HKV, D, BF16, DEV)
         kv.k[0].normal_(), kv.v[0].normal_()
         _, _, bt, seq_lens, _ = kv.plan([(i, ctx) for i in range(batch)])
-        table = torch.zeros(batch, width // page, dtype=torch.int32, device=DEV)
+        table = torch.zeros(batch, cols // page, dtype=torch.int32, device=DEV)
         table[:, :bt.shape[1]] = bt
         q = rand(batch, HQ, D)
         qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
@@ -499,9 +502,19 @@ def probe_decode_split():
                     cells.append(f"{name} cold {cold(lambda kw=kw: run(**kw)) * 1e3:.1f} us")
             except Exception as e:
                 cells.append(f"{name} failed {type(e).__name__}")
-        print(f"probe decode split page={page} B={batch} ctx={ctx} table {width}: " + "; ".join(cells),
+        print(f"probe decode split page={page} B={batch} ctx={ctx} table {cols}: " + "; ".join(cells),
               flush=True)
         del kv
+
+
+def probe_fold_length():
+    """What one step of the split launch's serial fold costs: 32k keys of KV in B sequences of 32k / B
+    (B = 1 .. 32), so the same 256 chunk programs read the same bytes in the same grid (vLLM's table
+    width), and each tile's last program folds 64 / B chunk states: the time's slope against the
+    fold's length is a step's cost (H100, 2026-12-06: 51.4 / 43.7 / 39.5 / 37.9 / 36.2 / 36.7 us at
+    64 / 32 / 16 / 8 / 4 / 2 steps: ~0.24 us a step); "fold half" the same over a decode tile's real rows."""
+    probe_decode_split(tuple((b, 32768 // b) for b in (1, 2, 4, 8, 16, 32)), only=("default", "fold half"),
+                       width=40960)
 
 
 BWD_SHAPES = ((4096, 4), (8192, 2), (16384, 1), (4096, 1))   # S x seqs; 4k x1: the actor's one sequence
@@ -677,6 +690,7 @@ def main():
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
                  probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=probe_decode_split,
+                 probe_fold_length=probe_fold_length,
                  probe_linear_decode=probe_linear_decode)
     failed = []
     for key in args.only:

@@ -91,14 +91,16 @@ def float_reductions(ir):
     return [(op, layout) for ty, op, layout in reductions(ir) if ty.startswith(("f", "bf"))]
 
 
-def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(), hold=True):
+def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(), hold=True,
+                    fold_half=None):
     """The forward kernel's TTGIR for the H200 in one launch form (its cubin built too); divisible:
     the integer arguments the launcher would mark divisible by 16 (none unless named)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
     from consistent_ops.triton import attention as ta
     const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=page if paged else 1,
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
-                 FOLD_STAGES=fold_stages or ta._FOLD_STAGES, OFF32=paged and off32, HOLD=hold)
+                 FOLD_STAGES=fold_stages or ta._FOLD_STAGES, FOLD_HALF=ta._FOLD_HALF if fold_half is None else fold_half,
+                 OFF32=paged and off32, HOLD=hold)
     asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
                        num_stages=stages).asm
     assert asm["cubin"]
@@ -174,6 +176,21 @@ def test_the_split_fold_reads_its_states_through_the_pipeline():
     unpiped, every = state_reads(attention_ttgir(True, True, *tile, fold_stages=1))
     assert unpiped == 0 and plain > 0 and every == 2 * plain    # chunk 0's reads stay plain loads
     assert pipelined >= 2 * plain
+
+
+def half_fold_reads(ttgir):
+    """The split fold's pipelined reads of chunk states of 8 rows (the decode tile's first half)."""
+    return len(re.findall(r"ttg\.async_copy_global_to_local [^\n]*tensor<8x128x!tt\.ptr<f32>", ttgir))
+
+
+def test_a_decode_tile_of_one_token_folds_its_real_half_of_rows():
+    """With fold_half, the decode tile (16 rows: two tokens of 8 query heads) folds a tile of one token
+    (a decode step) over its first 8 rows alone, through the same pipeline (sm_90 compile, 2026-12-06:
+    98 SASS instructions a fold step against 152); the companion: without it, no 8-row fold."""
+    from consistent_ops.contract import TRITON_TILES
+    tile = TRITON_TILES["attention"]["decode"]
+    assert half_fold_reads(attention_ttgir(True, True, *tile, fold_half=True)) >= 2
+    assert half_fold_reads(attention_ttgir(True, True, *tile, fold_half=False)) == 0
 
 
 # A paged decode step's strides as the launcher sees them (a cache [pages, page, Hkv, D], q and out

@@ -273,6 +273,17 @@ def test_split_launch_equals_unsplit_launch_after_launch(dtype, chunk, monkeypat
     assert ta._COUNTERS[want.device]                 # it did split
 
 
+def test_split_fold_over_a_tiles_real_half_gives_the_same_bits(monkeypatch):
+    """A split tile whose tokens fill at most half its rows (a decode step; the prefill chunk's last
+    tile of 4 tokens in 8) folds and stores that half alone: the bits of the whole tile's fold."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "KV_CHUNK", 64)
+    args = _decode_tail(BF16)
+    want = ta._forward(*args, split=True, fold_half=False)
+    assert torch.equal(ta._forward(*args, split=True, fold_half=True), want) and _counters_idle()
+    assert torch.equal(ta._forward(*args, split=False), want)
+
+
 @triton.jit
 def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr, STAGES: tl.constexpr):
     """_fold_states with the chunks in reverse order (the mutation the companion below runs)."""

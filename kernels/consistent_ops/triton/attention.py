@@ -104,6 +104,11 @@ _SPLIT_WAVES, _SPLIT_BYTES = 2, 256 << 20
 # one is folded, in the shared memory the key walk used (sm_90 compile: 70 KB a program either way,
 # the walk's three K/V stages; 37 KB while the walk read the table in its loop: _held_pages).
 _FOLD_STAGES = 4
+# FOLD_HALF: a split tile of one token in two (decode) folds its real half of rows alone. The fold is
+# a serial chain of ~0.24 us a chunk on the H100 (probe_fold_length, 2026-12-06: 15 of B=1 x 32k's
+# 51 us), issue-bound: one warp a scheduler, 16 of the [16, 128] state's elements a thread. Off until
+# probe_decode_split's `fold half` is timed (the same bits: tests).
+_FOLD_HALF = False
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head) pairs of any
 # launch the threshold splits (fewer than 2 an SM: 264 on the H200).
@@ -372,7 +377,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
-                     FOLD_STAGES: tl.constexpr, OFF32: tl.constexpr, HOLD: tl.constexpr):
+                     FOLD_STAGES: tl.constexpr, FOLD_HALF: tl.constexpr, OFF32: tl.constexpr,
+                     HOLD: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
     seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
     if seq >= S:
@@ -408,27 +414,46 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
             # sequences longer than a table row; their outputs are never read)
             n = tl.minimum(last_pos // CHUNK + 1, tl.num_programs(2))
             if _last_to_arrive(Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), n):
-                acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D,
-                                           FOLD_STAGES)
-                store = valid
+                if (FOLD_HALF and TPT >= 2) and (last_pos - first_pos < TPT // 2):
+                    # the tile's real rows are its first half (a decode step: one token of TPT): those
+                    # alone are folded (half the elements a thread: 98 SASS instructions a step, not
+                    # 152) and stored here; the same instructions on each real row, so the same bits
+                    tok, hg2, valid2 = _tile_rows(tile, tile * TPT + last_pos - first_pos + 1, ROWS // 2, G, TPT)
+                    qrow2, head2 = (q0 + tok).to(tl.int64), kvh * G + hg2
+                    acc2, m2, l2 = _fold_states(WAcc, WML, qrow2, head2, valid2, T, hq, tl.num_programs(2), n, D,
+                                                FOLD_STAGES)
+                    _store_out(O, qrow2, head2, stride_ot, stride_oh, acc2, l2, valid2, D)
+                else:
+                    acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D,
+                                               FOLD_STAGES)
+                    store = valid
     else:
         acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
                                  stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS,
                                  D, KV, CHUNK, PAGE, PAGED, TMA, OFF32)
     # 4. out = acc / l (IEEE division), rounded to the input dtype
-    out = tl.div_rn(acc, l[:, None])
-    tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(O.dtype.element_ty), mask=store[:, None])
+    _store_out(O, qrow, head, stride_ot, stride_oh, acc, l, store, D)
     if STORE_LSE:  # log-sum-exp for the backward's recomputation of p
         tl.store(LSE + qrow * (G * tl.num_programs(1)) + head, m + tl.log2(l), mask=valid)   # base 2
 
 
 @triton.jit
+def _store_out(O, qrow, head, stride_ot, stride_oh, acc, l, mask, D: tl.constexpr):
+    """Rows (token qrow, query head) of the output: acc / l (IEEE division) in O's dtype."""
+    out = tl.div_rn(acc, l[:, None])
+    tl.store(O + qrow[:, None] * stride_ot + head[:, None] * stride_oh + tl.arange(0, D)[None, :],
+             out.to(O.dtype.element_ty), mask=mask[:, None])
+
+
+@triton.jit
 def _chunk_ptrs(WAcc, WML, c, qrow, head, T, HQ, chunks, D: tl.constexpr):
     """Where chunk c's fp32 state of rows (token qrow, query head) lies: acc in WAcc [chunks,
-    T, HQ, D], m and l in WML [2, chunks, T, HQ]."""
-    r = (c * T + qrow) * HQ + head
-    return WAcc + r[:, None] * D + tl.arange(0, D)[None, :], WML + r, WML + r + chunks * T * HQ
+    T, HQ, D], m and l in WML [2, chunks, T, HQ]. From the chunk's base, a scalar, by int32 offsets
+    (a split's states fit _SPLIT_BYTES) that do not depend on c: a fold step adds one base."""
+    n = T * HQ
+    r = qrow.to(tl.int32) * HQ + head
+    acc, ml = WAcc + c * n * D, WML + c * n
+    return acc + (r[:, None] * D + tl.arange(0, D)[None, :]), ml + r, ml + chunks * n + r
 
 
 @triton.jit
@@ -755,12 +780,13 @@ def _fits_int32(*caches):
 
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
-             chunk=None, fold_stages=None, off32=None, hold=True):
+             chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
     tests only: the same bits either way); chunk: keys a KV chunk other than the contract's
     (probes only: other bits); fold_stages: the split fold's pipeline stages (probes: the same bits);
+    fold_half: a decode tile's fold over its real half of rows on or off (probes: the same bits);
     off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits); hold:
     the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits)."""
     g = _check(q, k.shape[-2])
@@ -790,7 +816,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     chunks = triton.cdiv(table.shape[1] * page, chunk) if paged else 1
     if split is None:
         split = paged and programs * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
-    split = split and paged and chunks > 1 and lse is None
+    # (int32 state offsets: _chunk_ptrs)
+    split = split and paged and chunks > 1 and lse is None and chunks * t * hq * d < 2 ** 31
     count = _counters(q.device, programs * hkv) if split else o
     split = split and count is not None
     wacc, wml = ((torch.empty((chunks, t, hq, d), dtype=torch.float32, device=q.device),
@@ -802,6 +829,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         tab.stride(0) if paged else 0, tab.shape[1] if paged else 1, k.shape[0] if paged else 1, scale * _LOG2E,
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=chunk, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
+        FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
         OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
         num_warps=warps, num_stages=stages, **EXACT)
     return o
