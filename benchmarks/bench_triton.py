@@ -380,15 +380,16 @@ def probe_linear_decode():
     walk is a chain (o_proj M 1: 16 steps of 256 in 9.9 us against cuBLAS's 7.6, H100 2026-12-05), and
     the MMA's k16 steps keep their order at any BLOCK_K (the same bits). Each time warm (graph replays:
     the weights stay in L2) / cold (Cold: as in the step, where the B=1 GEMMs averaged 9.97 us a launch
-    against ~7 warm, H100 2026-12-06); tiles ranked cold."""
+    against ~7 warm, H100 2026-12-06); tiles ranked cold. 18 tiles at M 1 and 16: with 54 at M 1, 4 and
+    16 the probe reached only qkv at M 1 in 340 s (H100, 2026-12-06; its cold top 4 all bulk copies
+    (TMA), 32-64 columns a program), so those alone now."""
     from consistent_ops.triton import gemm
     cold = Cold()
-    tiles = [(16, bn, bk, 1, w, st, tma) for bn in (16, 32, 64) for bk in (128, 256, 512) for w, st in ((4, 4), (4, 6), (2, 4))
-             for tma in (False, True)]
+    tiles = [(16, bn, bk, 1, w, st, True) for bn in (32, 64) for bk in (128, 256, 512) for w, st in ((4, 4), (4, 6), (2, 4))]
     for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048)), ("router", (2048, 128)),
                          ("lm_head", (2048, 151936))):
         w, x = rand(n, k, scale=k ** -0.5), rand(16, k)
-        for m in (1, 4, 16):
+        for m in (1, 16):
             base = gemm.matmul(x[:m], w)
 
             def times(fn):
@@ -472,10 +473,12 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     # before 2026-12-06 ("table in loop"), chunks of 256 keys (a contract change, other bits: more
     # programs against a longer fold), 8 warps on 16 rows (the same bits since the integer row sum),
     # and the fold over a decode tile's real half of rows ("fold half": a fold step is ~0.24 us,
-    # probe_fold_length, issue-bound: 98 SASS instructions a step against 152). "cold": the same
+    # probe_fold_length, issue-bound: 98 SASS instructions a step against 152; with 8 warps a thread
+    # folds 4 elements, not 8, for a walk that was ~1-2 us slower). "cold": the same
     # launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
-                "table in loop": dict(hold=False), "fold half": dict(fold_half=True), "chunk 256": dict(chunk=256)}
+                "table in loop": dict(hold=False), "fold half": dict(fold_half=True),
+                "8 warps half": dict(tile=(16, 8, 3), fold_half=True), "chunk 256": dict(chunk=256)}
     variants = {k: v for k, v in variants.items() if only is None or k in only}
     cold, cold_variants = Cold(), ("default", "table in loop")
     page = 16                   # page 32 gave the same times (2026-12-04)
@@ -512,9 +515,10 @@ def probe_fold_length():
     (B = 1 .. 32), so the same 256 chunk programs read the same bytes in the same grid (vLLM's table
     width), and each tile's last program folds 64 / B chunk states: the time's slope against the
     fold's length is a step's cost (H100, 2026-12-06: 51.4 / 43.7 / 39.5 / 37.9 / 36.2 / 36.7 us at
-    64 / 32 / 16 / 8 / 4 / 2 steps: ~0.24 us a step); "fold half" the same over a decode tile's real rows."""
-    probe_decode_split(tuple((b, 32768 // b) for b in (1, 2, 4, 8, 16, 32)), only=("default", "fold half"),
-                       width=40960)
+    64 / 32 / 16 / 8 / 4 / 2 steps: ~0.24 us a step); "fold half" (and on 8 warps) the same over a decode
+    tile's real rows."""
+    probe_decode_split(tuple((b, 32768 // b) for b in (1, 2, 4, 8, 16, 32)),
+                       only=("default", "fold half", "8 warps half"), width=40960)
 
 
 BWD_SHAPES = ((4096, 4), (8192, 2), (16384, 1), (4096, 1))   # S x seqs; 4k x1: the actor's one sequence
