@@ -273,13 +273,19 @@ def test_split_launch_equals_unsplit_launch_after_launch(dtype, chunk, monkeypat
     assert ta._COUNTERS[want.device]                 # it did split
 
 
-def test_split_fold_over_a_tiles_real_half_gives_the_same_bits(monkeypatch):
-    """A split tile whose tokens fill at most half its rows (a decode step; the prefill chunk's last
-    tile of 4 tokens in 8) folds and stores that half alone: the bits of the whole tile's fold."""
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "short-prefill"])
+def test_split_fold_over_a_tiles_real_half_gives_the_same_bits(prefill, monkeypatch):
+    """A split tile whose tokens fill at most half its rows (here 32 tokens a tile: decode steps, or
+    two prefill chunks of 10 tokens) folds and stores that half alone, where a tile of more (the
+    20-token chunk) folds whole: the bits of the whole tile's fold, and of the unsplit launch."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "KV_CHUNK", 64)
-    args = _decode_tail(BF16)
+    args = list(_decode_tail(BF16))
+    if prefill:   # 10 tokens ending at 120 (2 chunks) and 10 ending at 130 (3 chunks)
+        i32 = dict(dtype=torch.int32)
+        args[3], args[4] = torch.tensor([0, 1, 2, 12, 22], **i32), torch.tensor([200, 30, 120, 130], **i32)
     want = ta._forward(*args, split=True, fold_half=False)
+    assert torch.isfinite(want.float()).all()        # (rows never stored may divide 0 by 0)
     assert torch.equal(ta._forward(*args, split=True, fold_half=True), want) and _counters_idle()
     assert torch.equal(ta._forward(*args, split=False), want)
 

@@ -449,7 +449,8 @@ def _store_out(O, qrow, head, stride_ot, stride_oh, acc, l, mask, D: tl.constexp
 def _chunk_ptrs(WAcc, WML, c, qrow, head, T, HQ, chunks, D: tl.constexpr):
     """Where chunk c's fp32 state of rows (token qrow, query head) lies: acc in WAcc [chunks,
     T, HQ, D], m and l in WML [2, chunks, T, HQ]. From the chunk's base, a scalar, by int32 offsets
-    (a split's states fit _SPLIT_BYTES) that do not depend on c: a fold step adds one base."""
+    (_forward splits only where the states' elements fit int32) that do not depend on c: a fold
+    step adds one base."""
     n = T * HQ
     r = qrow.to(tl.int32) * HQ + head
     acc, ml = WAcc + c * n * D, WML + c * n
