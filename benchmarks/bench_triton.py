@@ -385,7 +385,8 @@ def probe_linear_decode():
     (TMA), 32-64 columns a program), so those alone now."""
     from consistent_ops.triton import gemm
     cold = Cold()
-    tiles = [(16, bn, bk, 1, w, st, True) for bn in (32, 64) for bk in (128, 256, 512) for w, st in ((4, 4), (4, 6), (2, 4))]
+    tiles = [(16, bn, bk, 1, w, st, True) for bn in (32, 64) for bk in (128, 256, 512)
+             for w, st in ((4, 4), (4, 6), (2, 4))]
     for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048)), ("router", (2048, 128)),
                          ("lm_head", (2048, 151936))):
         w, x = rand(n, k, scale=k ** -0.5), rand(16, k)
@@ -467,9 +468,12 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
     # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-29) and dropped from the list:
-    # stages 2 / 4 / 5, fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an iteration, int64 offsets, the
-    # forward's 64 rows, unsplit, chunks of 128 keys, the table's width. Kept: the decode tile before
-    # 2026-12-06 ("one warp": 20.8 vs 14.3 us at B=1 x 1k), the page ids read in the walk's loop as
+    # stages 2 / 5 (timed on the one-warp tile), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
+    # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width.
+    # Back: 4 stages on the 4-warp tile ("stages 4": two key blocks in flight a program, not one, 104
+    # KB of shared memory against 70, so 2 programs an SM, not 3: a 256-program walk, B=1 x 32k, read
+    # ~2 TB/s against 2.7 at 4,096 programs, as if too few bytes were in flight). Kept: the decode
+    # tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at B=1 x 1k), the page ids read in the walk's loop as
     # before 2026-12-06 ("table in loop"), chunks of 256 keys (a contract change, other bits: more
     # programs against a longer fold), 8 warps on 16 rows (the same bits since the integer row sum),
     # and the fold over a decode tile's real half of rows ("fold half": a fold step is ~0.24 us,
@@ -478,9 +482,10 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     # launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
                 "table in loop": dict(hold=False), "fold half": dict(fold_half=True),
-                "8 warps half": dict(tile=(16, 8, 3), fold_half=True), "chunk 256": dict(chunk=256)}
+                "8 warps half": dict(tile=(16, 8, 3), fold_half=True), "stages 4": dict(tile=(16, 4, 4)),
+                "chunk 256": dict(chunk=256)}
     variants = {k: v for k, v in variants.items() if only is None or k in only}
-    cold, cold_variants = Cold(), ("default", "table in loop")
+    cold, cold_variants = Cold(), ("default", "table in loop", "stages 4")
     page = 16                   # page 32 gave the same times (2026-12-04)
     for batch, ctx in cases:
         cols = width or (40960 if batch <= 4 else ctx)
