@@ -468,7 +468,7 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
     # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-29) and dropped from the list:
-    # stages 2 / 5 (timed on the one-warp tile), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
+    # stages 2 / 5 (timed before the held page ids), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
     # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width.
     # Back: 4 stages on the 4-warp tile ("stages 4": two key blocks in flight a program, not one, 104
     # KB of shared memory against 70, so 2 programs an SM, not 3: a 256-program walk, B=1 x 32k, read
