@@ -420,8 +420,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                     # 152) and stored here; the same instructions on each real row, so the same bits
                     tok, hg2, valid2 = _tile_rows(tile, tile * TPT + last_pos - first_pos + 1, ROWS // 2, G, TPT)
                     qrow2, head2 = (q0 + tok).to(tl.int64), kvh * G + hg2
-                    acc2, m2, l2 = _fold_states(WAcc, WML, qrow2, head2, valid2, T, hq, tl.num_programs(2), n, D,
-                                                FOLD_STAGES)
+                    acc2, _, l2 = _fold_states(WAcc, WML, qrow2, head2, valid2, T, hq, tl.num_programs(2), n, D,
+                                               FOLD_STAGES)
                     _store_out(O, qrow2, head2, stride_ot, stride_oh, acc2, l2, valid2, D)
                 else:
                     acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D,
