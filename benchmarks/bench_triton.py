@@ -469,20 +469,22 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     from harness import PagedKV
     # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-29) and dropped from the list:
     # stages 2 / 5 (timed before the held page ids), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
-    # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width.
+    # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width,
+    # 8 warps on the half fold (45.7 against 41.8 us at B=1 x 32k, 2026-12-06).
     # Back: 4 stages on the 4-warp tile ("stages 4": two key blocks in flight a program, not one, 104
     # KB of shared memory against 70, so 2 programs an SM, not 3: a 256-program walk, B=1 x 32k, read
-    # ~2 TB/s against 2.7 at 4,096 programs, as if too few bytes were in flight). Kept: the decode
+    # ~2 TB/s against 2.7 at 4,096 programs, as if too few bytes were in flight; H100 2026-12-06, full
+    # fold: B=1 x 32k 48.3 against 51.3 us, 1 x 1k 14.5 / 14.1, 4 x 8k 37.7 / 39.9, 16 x 32k 406 / 412:
+    # to time over the half fold before a switch). Kept: the decode
     # tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at B=1 x 1k), the page ids read in the walk's loop as
     # before 2026-12-06 ("table in loop"), chunks of 256 keys (a contract change, other bits: more
     # programs against a longer fold), 8 warps on 16 rows (the same bits since the integer row sum),
-    # and the fold over a decode tile's real half of rows ("fold half": a fold step is ~0.24 us,
-    # probe_fold_length, issue-bound: 98 SASS instructions a step against 152; with 8 warps a thread
-    # folds 4 elements, not 8, for a walk that was ~1-2 us slower). "cold": the same
+    # and the fold over the whole decode tile ("full fold": the default since 2026-12-06 folds a decode
+    # step's real half of rows, 98 SASS instructions a step against 152; B=1 x 32k 51.3 -> 41.8 us,
+    # probe_fold_length). "cold": the same
     # launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
-                "table in loop": dict(hold=False), "fold half": dict(fold_half=True),
-                "8 warps half": dict(tile=(16, 8, 3), fold_half=True), "stages 4": dict(tile=(16, 4, 4)),
+                "table in loop": dict(hold=False), "full fold": dict(fold_half=False), "stages 4": dict(tile=(16, 4, 4)),
                 "chunk 256": dict(chunk=256)}
     variants = {k: v for k, v in variants.items() if only is None or k in only}
     cold, cold_variants = Cold(), ("default", "table in loop", "stages 4")
@@ -520,10 +522,10 @@ def probe_fold_length():
     (B = 1 .. 32), so the same 256 chunk programs read the same bytes in the same grid (vLLM's table
     width), and each tile's last program folds 64 / B chunk states: the time's slope against the
     fold's length is a step's cost (H100, 2026-12-06: 51.4 / 43.7 / 39.5 / 37.9 / 36.2 / 36.7 us at
-    64 / 32 / 16 / 8 / 4 / 2 steps: ~0.24 us a step); "fold half" (and on 8 warps) the same over a decode
-    tile's real rows."""
+    64 / 32 / 16 / 8 / 4 / 2 steps: ~0.24 us a step, over the whole tile: "full fold"); the default
+    folds a decode tile's real half of rows (41.9 / 38.8 / 36.1 / 35.7 / 35.0 / 36.5 us: ~0.1 us)."""
     probe_decode_split(tuple((b, 32768 // b) for b in (1, 2, 4, 8, 16, 32)),
-                       only=("default", "fold half", "8 warps half"), width=40960)
+                       only=("default", "full fold"), width=40960)
 
 
 BWD_SHAPES = ((4096, 4), (8192, 2), (16384, 1), (4096, 1))   # S x seqs; 4k x1: the actor's one sequence

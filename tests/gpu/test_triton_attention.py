@@ -141,7 +141,7 @@ def _counters_idle():
 
 @pytest.mark.parametrize("fold_stages, fold_half, off32",
                          [(None, False, True), (2, False, True), (6, False, True), (None, True, True),
-                          (None, False, False)], ids=["default", "fold2", "fold6", "half", "int64"])
+                          (None, False, False)], ids=["full", "fold2", "fold6", "half", "int64"])
 def test_split_decode_graph_replays_equal_unsplit(fold_stages, fold_half, off32, monkeypatch):
     """The decode tail's split launch, where the last program of a tile to store its chunk state
     folds them all (an arrival counter; no fold launch), captured in a CUDA graph of 8 launches in

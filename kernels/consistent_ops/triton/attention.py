@@ -104,11 +104,11 @@ _SPLIT_WAVES, _SPLIT_BYTES = 2, 256 << 20
 # one is folded, in the shared memory the key walk used (sm_90 compile: 70 KB a program either way,
 # the walk's three K/V stages; 37 KB while the walk read the table in its loop: _held_pages).
 _FOLD_STAGES = 4
-# FOLD_HALF: a split tile of one token in two (decode) folds its real half of rows alone. The fold is
-# a serial chain of ~0.24 us a chunk on the H100 (probe_fold_length, 2026-12-06: 15 of B=1 x 32k's
-# 51 us), issue-bound: one warp a scheduler, 16 of the [16, 128] state's elements a thread. Off until
-# probe_decode_split's `fold half` is timed (the same bits: tests).
-_FOLD_HALF = False
+# FOLD_HALF: a split tile of one token in two (decode) folds its real half of rows alone (the same
+# bits: tests). The fold is a serial chain, issue-bound (one warp a scheduler): ~0.24 us a chunk
+# over the whole [16, 128] state, ~0.1 over its half (H100, 2026-12-06, probe_fold_length: B=1 x 32k
+# 51.3 -> 41.8 us; 8 warps on the half 45.7); in vLLM's 48-layer step B=1 x 32k 6.995 -> 6.479 ms.
+_FOLD_HALF = True
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head) pairs of any
 # launch the threshold splits (fewer than 2 an SM: 264 on the H200).
