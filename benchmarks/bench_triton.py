@@ -473,22 +473,20 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     bits against the default launch. only: these variants alone; width: the table's, for every case."""
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
-    # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-29) and dropped from the list:
+    # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-30) and dropped from the list:
     # stages 2 / 5 (timed before the held page ids), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
     # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width,
     # 8 warps on the half fold (45.7 against 41.8 us at B=1 x 32k, 2026-12-06).
-    # Back: 4 stages on the 4-warp tile ("stages 4": two key blocks in flight a program, not one, 104
-    # KB of shared memory against 70, so 2 programs an SM, not 3: a 256-program walk, B=1 x 32k, read
-    # ~2 TB/s against 2.7 at 4,096 programs, as if too few bytes were in flight; H100 2026-12-06, full
-    # fold: B=1 x 32k 48.3 against 51.3 us, 1 x 1k 14.5 / 14.1, 4 x 8k 37.7 / 39.9, 16 x 32k 406 / 412:
-    # to time over the half fold before a switch). Kept: the decode
-    # tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at B=1 x 1k), the page ids read in the walk's loop as
-    # before 2026-12-06 ("table in loop"), chunks of 256 keys (a contract change, other bits: more
-    # programs against a longer fold), 8 warps on 16 rows (the same bits since the integer row sum),
-    # and the fold over the whole decode tile ("full fold": the default since 2026-12-06 folds a decode
-    # step's real half of rows, 98 SASS instructions a step against 152; B=1 x 32k 51.3 -> 41.8 us,
-    # probe_fold_length). "cold": the same
-    # launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less that read's own time.
+    # Kept: the decode tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at B=1 x 1k); the page ids
+    # read in the walk's loop as before 2026-12-06 ("table in loop"); chunks of 256 keys (a contract
+    # change, other bits: more programs against a longer fold); 8 warps on 16 rows (the same bits
+    # since the integer row sum); the fold over the whole decode tile ("full fold"; the default folds
+    # a decode step's real half of rows: B=1 x 32k 51.3 -> 41.8 us); 4 stages on the 4-warp tile
+    # ("stages 4": two key blocks in flight a program, 104 KB of shared memory against 70, so 2
+    # programs an SM, not 3; over the whole fold, H100 2026-12-06: B=1 x 32k 48.3 against 51.3 us,
+    # 4 x 8k 37.7 / 39.9, but 1 x 1k 14.5 / 14.1: to time over the half fold before a switch).
+    # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
+    # that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
                 "table in loop": dict(hold=False), "full fold": dict(fold_half=False), "stages 4": dict(tile=(16, 4, 4)),
                 "chunk 256": dict(chunk=256)}
