@@ -55,6 +55,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.step_times and args.tp != 1:
         p.error("--step-times needs --tp 1 (the workers of TP > 1 run in their own processes)")
+    bad = [m for m in args.modes.split(",") if m not in MODES]
+    if bad:
+        p.error(f"--modes {args.modes}: {', '.join(bad)} not a mode; use a comma list of {', '.join(MODES)}")
+    for name in ("prompts", "prompt_len", "max_tokens", "repeats", "rounds", "tp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: use 1 or more")
     return args
 
 

@@ -310,7 +310,9 @@ def main():
     args = ap.parse_args()
     cases = DECODE_CASES if args.cases is None else _parse_cases(args.cases)
     if not cases:
-        raise SystemExit(f"error: --cases {args.cases!r}: expected B x context pairs such as 1x1024,4x8192")
+        ap.error(f"--cases {args.cases!r}: expected B x context pairs such as 1x1024,4x8192")
+    if not torch.cuda.is_available():
+        ap.error("no CUDA GPU in this process: the 48-layer rollout benchmark runs on the device (scripts/gpu_suite.sh)")
     co.set_backend("triton")
     torch.manual_seed(0)
     bw = copy_bandwidth()

@@ -693,12 +693,7 @@ def main():
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--only", nargs="*", default=["attention", "decode", "linear", "logprobs", "moe", "actor"])
     args = ap.parse_args()
-    co.set_backend("triton")
-    torch.manual_seed(0)
-    name = torch.cuda.get_device_name()
-    print(f"# {datetime.date.today()} {name} torch {torch.__version__} triton "
-          f"{__import__('triton').__version__} contract {co.contract_fingerprint()}", flush=True)
-    bw = ceilings() if any(k in args.only for k in ("decode", "attention")) else 0
+    bw = 0      # the copy ceiling, measured below where a section reads it
     steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, logprobs=logprobs,
                  moe=moe,
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
@@ -707,6 +702,18 @@ def main():
                  probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=probe_decode_split,
                  probe_fold_length=probe_fold_length,
                  probe_linear_decode=probe_linear_decode)
+    bad = [k for k in args.only if k not in steps]
+    if bad:
+        ap.error(f"--only {' '.join(bad)}: no such section; choose from {', '.join(steps)}")
+    if not torch.cuda.is_available():
+        ap.error("no CUDA GPU in this process: the Triton benchmarks run on the device (scripts/gpu_suite.sh)")
+    co.set_backend("triton")
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    print(f"# {datetime.date.today()} {name} torch {torch.__version__} triton "
+          f"{__import__('triton').__version__} contract {co.contract_fingerprint()}", flush=True)
+    if any(k in args.only for k in ("decode", "attention")):
+        bw = ceilings()
     failed = []
     for key in args.only:
         try:

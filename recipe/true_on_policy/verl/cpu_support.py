@@ -337,6 +337,10 @@ def known_rollout_blocker(config) -> str | None:
 def main(argv=None) -> None:
     """Print the CPU settings as hydra overrides for ``python -m verl.trainer.main_ppo``."""
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 or argv and not (argv[0].isdigit() and int(argv[0]) >= 1):
+        print(f"error: {' '.join(argv)!r}: give the number of ranks N (an integer >= 1), or nothing for 1",
+              file=sys.stderr)
+        raise SystemExit(2)
     n_ranks = int(argv[0]) if argv else 1
     for key, value in settings_for(n_ranks).items():
         print(f"++{key}={value}")
