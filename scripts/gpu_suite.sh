@@ -9,6 +9,10 @@ cd "$(dirname "$0")/.."
 out_dir=${1:-${OUT:-outputs/gpu_suite}}
 mkdir -p "$out_dir"
 export PYTHONPATH="kernels:recipe:tests/gpu${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  echo "[gpu_suite] error: python3 here has no CUDA GPU (or no torch): run it on the device, run(command=\"bash scripts/gpu_suite.sh \$OUT\")" >&2
+  exit 2
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 

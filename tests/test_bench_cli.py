@@ -1,7 +1,7 @@
 """Bad input to the benchmarks and helper commands ends them at once with exit 2 and one error line that
 names the value and the fix, before any engine starts or device time is spent: an unknown section or
-mode, a count below 1, no CUDA GPU for the GPU benchmarks (this CI has none), a rank count that is not
-a number. The good input of each is run by its own tests (test_bench_rollout.py, test_readme_commands.py)."""
+mode, a count below 1, no CUDA GPU for the GPU benchmarks and scripts/gpu_suite.sh (this CI has none),
+a rank count that is not a number. The good input of each is run by its own tests (test_bench_rollout.py, test_readme_commands.py)."""
 import os
 import subprocess
 import sys
@@ -53,3 +53,12 @@ def test_bench_rollout_gpu_refuses_bad_cases():
 def test_cpu_support_refuses_a_rank_count_that_is_not_one_or_more(arg):
     assert _run("-m", "true_on_policy.verl.cpu_support", arg) == (
         2, f"error: '{arg}': give the number of ranks N (an integer >= 1), or nothing for 1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_gpu_suite_refuses_a_machine_without_cuda(tmp_path):
+    res = subprocess.run(["bash", "scripts/gpu_suite.sh", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PATH": f"{ROOT / '.venv/bin'}:{os.environ['PATH']}"})
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        '[gpu_suite] error: python3 here has no CUDA GPU (or no torch): run it on the device, '
+        'run(command="bash scripts/gpu_suite.sh $OUT")']
