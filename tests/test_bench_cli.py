@@ -1,7 +1,8 @@
 """Bad input to the benchmarks and helper commands ends them at once with exit 2 and one error line that
 names the value and the fix, before any engine starts or device time is spent: an unknown section or
 mode, a count below 1, no CUDA GPU for the GPU benchmarks and scripts/gpu_suite.sh (this CI has none),
-a rank count that is not a number. The good input of each is run by its own tests (test_bench_rollout.py, test_readme_commands.py)."""
+a rank count that is not a number. Good input is run by the commands' own tests (test_bench_rollout.py,
+test_readme_commands.py)."""
 import os
 import subprocess
 import sys
