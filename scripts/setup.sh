@@ -18,8 +18,8 @@ pip_install() {
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # A first install writes ~4.1 GB into .venv plus pip's downloads: say so before, not midway.
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    free_gb=$(df -Pk .venv | awk 'NR == 2 {print int($4 / 1048576)}')
-    [ "$free_gb" -ge 6 ] || fail "$free_gb GB free where .venv lives ($(pwd)); a first install needs about 6 GB: free disk space, then run scripts/setup.sh again"
+    free_gb=$(df -Pk .venv 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}')
+    [ -z "$free_gb" ] || [ "$free_gb" -ge 6 ] || fail "$free_gb GB free where .venv lives ($(pwd)); a first install needs about 6 GB: free disk space, then run scripts/setup.sh again"
   fi
   echo "[setup] installing pinned packages into .venv (first run takes a few minutes)"
   pip_install -r requirements.lock
