@@ -379,7 +379,11 @@ def probe_linear():
                 print(f"  {name:7s} {cname:20s} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
 
 
-def probe_linear_decode():
+DECODE_SHAPES = (("qkv", (2048, 5120)), ("o_proj", (4096, 2048)), ("router", (2048, 128)),
+                 ("lm_head", (2048, 151936)))
+
+
+def probe_linear_decode(ms=(1, 16), tiles=None, shapes=DECODE_SHAPES):
     """The decode tail's GEMMs (M 1..16; B=1 spends 44 % of a 48-layer step in them): tiles with
     more, shorter programs (no split-K: the contract's one accumulator) against cuBLAS and the
     tile in use, per layer shape; bits against the tile in use's rows. K steps of 512: a program's K
@@ -388,15 +392,14 @@ def probe_linear_decode():
     the weights stay in L2) / cold (Cold: as in the step, where the B=1 GEMMs averaged 9.97 us a launch
     against ~7 warm, H100 2026-12-06); tiles ranked cold. 18 tiles at M 1 and 16: with 54 at M 1, 4 and
     16 the probe reached only qkv at M 1 in 340 s (H100, 2026-12-06; its cold top 4 all bulk copies
-    (TMA), 32-64 columns a program), so those alone now."""
+    (TMA), 32-64 columns a program), so those alone now. ms, tiles, shapes: others (probe_linear_mid)."""
     from consistent_ops.triton import gemm
     cold = Cold()
-    tiles = [(16, bn, bk, 1, w, st, True) for bn in (32, 64) for bk in (128, 256, 512)
-             for w, st in ((4, 4), (4, 6), (2, 4))]
-    for name, (k, n) in (("qkv", (2048, 5120)), ("o_proj", (4096, 2048)), ("router", (2048, 128)),
-                         ("lm_head", (2048, 151936))):
-        w, x = rand(n, k, scale=k ** -0.5), rand(16, k)
-        for m in (1, 16):
+    tiles = tiles or [(16, bn, bk, 1, w, st, True) for bn in (32, 64) for bk in (128, 256, 512)
+                      for w, st in ((4, 4), (4, 6), (2, 4))]
+    for name, (k, n) in shapes:
+        w, x = rand(n, k, scale=k ** -0.5), rand(max(ms), k)
+        for m in ms:
             base = gemm.matmul(x[:m], w)
 
             def times(fn):
@@ -415,6 +418,17 @@ def probe_linear_decode():
                   f"{ours}; fastest cold: " + "; ".join(f"{c} {t * 1e3:.1f} / {tc * 1e3:.1f} us bits "
                                                         f"{'same' if sm else 'DIFF'}" for tc, t, c, sm in best[:4]),
                   flush=True)
+
+
+def probe_linear_mid():
+    """Decode batches of 64 and 256 sequences (M 64 / 256), cold as in a step, where the tiles in use
+    trail cuBLAS at M=256 (H100 2026-12-06, `linear`: qkv 0.79x, o_proj 0.64x; they were picked from
+    warm replays): the 64-row tiles of every width (more programs: 128-256 at o_proj's N 2048) and
+    the 128-row ones, against the tile in use."""
+    tiles = [(64, bn, bk, 1, 4, st, True) for bn, bk, st in ((16, 128, 6), (32, 128, 4), (64, 64, 6),
+                                                             (64, 128, 4), (128, 128, 3), (128, 64, 4))]
+    tiles += [(128, 64, 64, 8, 4, 4, True), (128, 128, 64, 8, 8, 4, True), (64, 128, 128, 8, 4, 3, True)]
+    probe_linear_decode((64, 256), tiles, DECODE_SHAPES[:2])
 
 
 def _probe_variants(label, runs, variants, rounds=5):
@@ -444,8 +458,9 @@ def _probe_variants(label, runs, variants, rounds=5):
 def probe_attention():
     """Forward variants (keyword arguments of _forward: tile (rows, warps, stages), tma (bulk
     copies of packed K/V)) at S=16k x1, 8k x2 and 4k x4 (varlen) and a 2k chunk at context 8k
-    (paged: pointer loads always); KV chunks of 256 / 128 keys (a contract change, other bits): what
-    shorter chunks, which buy decode more programs (probe_decode_split), cost prefill and training."""
+    (paged: pointer loads always); 128-row tiles (the same bits since the integer row sum, so a
+    training tile of its own would be a speed choice: H100 2026-12-06, no faster with TMA); KV chunks
+    of 256 keys (a contract change, other bits)."""
     from consistent_ops.triton import attention as ta
     chunk, ctx = 2048, 8192
     from harness import PagedKV
@@ -461,8 +476,8 @@ def probe_attention():
         runs[f"varlen {s // 1024}k x{batch}"] = (
             lambda q=q, k=k, v=v, cu=cu, lse=lse, **kw:
             (ta._forward(q, k, v, cu, None, None, scale, False, lse=lse, **kw), lse.clone()))
-    _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2)), dict(chunk=256),
-                                            dict(chunk=128)))
+    _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2)), dict(tile=(128, 8, 3)),
+                                            dict(tile=(128, 8, 4)), dict(chunk=256)))
 
 
 def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)),
@@ -483,8 +498,9 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     # since the integer row sum); the fold over the whole decode tile ("full fold"; the default folds
     # a decode step's real half of rows: B=1 x 32k 51.3 -> 41.8 us); 4 stages on the 4-warp tile
     # ("stages 4": two key blocks in flight a program, 104 KB of shared memory against 70, so 2
-    # programs an SM, not 3; over the whole fold, H100 2026-12-06: B=1 x 32k 48.3 against 51.3 us,
-    # 4 x 8k 37.7 / 39.9, but 1 x 1k 14.5 / 14.1: to time over the half fold before a switch).
+    # programs an SM, not 3; over the half fold, H100 2026-12-06: B=1 x 1k / 8k / 32k 13.0 / 18.5 /
+    # 41.3 us against 12.6 / 18.0 / 41.9, B=4 x 8k 34.7 / 36.2, 4 x 32k 119.3 / 116.2: mixed, kept
+    # for the H200).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
@@ -701,7 +717,7 @@ def main():
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
                  probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=probe_decode_split,
                  probe_fold_length=probe_fold_length,
-                 probe_linear_decode=probe_linear_decode)
+                 probe_linear_decode=probe_linear_decode, probe_linear_mid=probe_linear_mid)
     bad = [k for k in args.only if k not in steps]
     if bad:
         ap.error(f"--only {' '.join(bad)}: no such section; choose from {', '.join(steps)}")

@@ -44,10 +44,10 @@ from .common import EXACT
 
 log = logging.getLogger("consistent_ops")
 
-# Forward tile (rows, warps), ONE for every path. On the H200 it was also the fastest for
-# chunked prefill (2k chunk at 8k: 64/4 0.83 ms vs 128/8 0.93 ms) and decode (3.1 vs 1.5 TB/s);
-# 128/8 is faster for a 16k varlen prompt (4.95 vs 5.37 ms), but one tile keeps every path's
-# instructions the same by construction.
+# Forward tile (rows, warps) of training and prefill (decode steps: _DECODE_TILE). On the H200 it
+# was the fastest for chunked prefill (2k chunk at 8k: 64/4 0.83 ms vs 128/8 0.93 ms); 128/8 was
+# faster for a 16k varlen prompt before TMA (4.95 vs 5.37 ms), with TMA it is not (H100, 2026-12-06:
+# 5.13 vs 5.02 ms, 2.63 / 2.63 at 8k x2; 4 stages 5.14), so training takes no tile of its own.
 _A = TRITON_TILES["attention"]
 _TILE, _STAGES = _A["forward"][:2], _A["forward"][2]
 # Decode steps (paged, one new token a sequence: G real rows a tile) take 16-row tiles (a quarter
