@@ -11,6 +11,8 @@
 #           $GPU_VLLM_ROUNDS (default 2) interleaved rounds of fresh processes (~2.5 min a round warm)
 #   long    the same with long responses: 8 prompts x n=8, up to 16,384 tokens (estimated ~7 min)
 #   profile benchmarks/bench_vllm_gpu.py --profile: each engine's top CUDA kernels
+#   profile48  the same profile at the full 48-layer shape (weights drawn by vLLM), one sequence of
+#           1,024 prompt tokens: where the tail's fixed cost a layer goes, kernel by kernel, in each engine
 #   tail    benchmarks/bench_vllm_gpu.py --tail: decode ms per step at B 1/4/16 and contexts 1k/8k/32k,
 #           stock vs the plugin (issue 26: goal >= 0.9x stock in each case), $GPU_VLLM_ROUNDS (default 1)
 #           rounds (estimated ~5-8 min a round warm, ~8-10 cold: near a device call's 10-min limit)
@@ -22,8 +24,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=() out=${OUT:-outputs/gpu_vllm}
-for a in "$@"; do case $a in model|check|bench|long|profile|tail|tail48) steps+=("$a") ;; *) out=$a ;; esac; done
-[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|long|profile|tail|tail48 ... [OUTDIR]" >&2; exit 2; }
+for a in "$@"; do case $a in model|check|bench|long|profile|profile48|tail|tail48) steps+=("$a") ;; *) out=$a ;; esac; done
+[ ${#steps[@]} -gt 0 ] || { echo "usage: $0 model|check|bench|long|profile|profile48|tail|tail48 ... [OUTDIR]" >&2; exit 2; }
 mkdir -p "$out"
 if [ -f /tmp/h200_env.sh ]; then . /tmp/h200_env.sh; else export PYTHONPATH="recipe:kernels" PYTHONUNBUFFERED=1; fi
 model=${GPU_VLLM_MODEL:-/tmp/qwen3_30b_a3b_l${GPU_VLLM_LAYERS:-8}}
@@ -68,9 +70,13 @@ for step in "${steps[@]}"; do
     tail)
         run tail python3 benchmarks/bench_vllm_gpu.py --model "$model" --tail --rounds "${GPU_VLLM_ROUNDS:-1}" \
             --json "$out/tail.json" --logs "$out/tail_logs" ;;
-    tail48)
+    profile48|tail48)
         [ -f "$model48/config.json" ] || run model48 python3 -m true_on_policy.make_tiny_model "${shape[@]}" \
-            --out "$model48" --num-layers 48 --no-weights
+            --out "$model48" --num-layers 48 --no-weights ;;&
+    profile48)
+        run profile48 python3 benchmarks/bench_vllm_gpu.py --model "$model48" --load-format dummy --profile \
+            --prompts 1 --n 1 --prompt-len 1024 --json "$out/profile48.json" --logs "$out/profile48_logs" ;;
+    tail48)
         run tail48 python3 benchmarks/bench_vllm_gpu.py --model "$model48" --load-format dummy --tail \
             --rounds "${GPU_VLLM_ROUNDS:-1}" ${GPU_VLLM_CASES:+--cases "$GPU_VLLM_CASES"} \
             --json "$out/tail48.json" --logs "$out/tail48_logs" ;;

@@ -37,7 +37,9 @@ _TINY = _T["tiny"]              # M <= 16: mma 16-row tiles, no padded rows read
 # then averaged 9.5 us a launch against 8.9: kept as they are.
 _TINY_WIDE_N, _TINY_MID_N = 16384, 4096
 _NARROW = _T["narrow"]          # M <= 128: the widest BLOCK_N that still gives >= _MIN_PROGRAMS programs
-_MID_WIDE, _MID_TALL = _T["mid_wide"], _T["mid_tall"]   # M <= 512
+# M <= 512: the narrowest that fits one wave. H200 (bench_triton --only probe_linear_mid, cold as in a
+# step, 2026-12-06): o_proj M 256 "mid_narrow" 14.2 us, "mid_wide" 19.7 (cuBLAS 10.8); the same bits.
+_MID_NARROW, _MID_WIDE, _MID_TALL = _T["mid_narrow"], _T["mid_wide"], _T["mid_tall"]
 _LARGE = _T["large"]
 _HUGE = _T["huge"]              # once it gives >= 2 waves of programs
 _MIN_PROGRAMS, _SMS = 72, 132
@@ -60,7 +62,7 @@ def _config(m, n):
     if m <= 128:
         return next((c for c in _NARROW.values() if _programs(m, n, c) >= _MIN_PROGRAMS), _NARROW[16])
     if m <= 512:
-        return _MID_WIDE if _programs(m, n, _MID_WIDE) <= _SMS else _MID_TALL
+        return next((c for c in (_MID_NARROW, _MID_WIDE) if _programs(m, n, c) <= _SMS), _MID_TALL)
     return _HUGE if _programs(m, n, _HUGE) >= 2 * _SMS else _LARGE
 
 
