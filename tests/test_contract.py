@@ -38,7 +38,10 @@ def test_the_kernels_run_the_contract_tiles():
     assert moe._MID[0] == tiles["moe"]["mid"][0] and moe._MID_ROWS == tiles["moe"]["mid_rows"]
     assert (*attention._TILE, attention._STAGES) == tiles["attention"]["forward"]
     assert attention._DECODE_TILE is tiles["attention"]["decode"]
-    assert attention._DELTA_ROWS == tiles["attention"]["backward_delta_rows"]
+    assert (attention._DELTA_ROWS, attention._DELTA_WARPS) == (tiles["attention"]["backward_delta_rows"],
+                                                               tiles["attention"]["backward_delta_warps"])
+    assert (moe._SOFTMAX_WARPS, moe._ACT_BWD_WARPS) == (tiles["moe"]["router_warps"], tiles["moe"]["act_backward_warps"])
+    assert gemm._MID_NARROW is tiles["gemm"]["mid_narrow"]
     assert norm._ELEMENTS == tiles["rms_norm_elements"] and logprobs._BLOCK == tiles["logprob_block"]
 
 

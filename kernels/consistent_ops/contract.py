@@ -71,6 +71,10 @@ TRITON_TILES = {
         "tiles": (128, (128, 64, 8, 4), (256, 64, 8, 3)), "decode": (16, (128, 128, 4, 3), (128, 128, 4, 3)),
         "decode_rows": 2048, "mid": (64, (128, 64, 4, 4), (256, 64, 8, 3)), "mid_rows": 8192,
         "interpreter": (128, (128, 64, 8, 3), (128, 64, 8, 3)),
+        # warps of the one-program-a-row reductions, whose tree is their layout: the router's softmax
+        # sum over experts (the rollout's fused route and the trainer's softmax alike) and the
+        # activation backward's routing-weight gradient
+        "router_warps": 4, "act_backward_warps": 4,
     },
     "attention": {
         "forward": (64, 4, 3),              # (rows = (token, query head) pairs, warps, stages)
@@ -79,6 +83,7 @@ TRITON_TILES = {
         "backward_stages": 2,
         "backward_dq": (4, 3),              # (warps, stages)
         "backward_delta_rows": 64,          # delta = rowsum(dO * O): rows a program
+        "backward_delta_warps": 4,          # ... on this many warps (the sum's tree)
         "backward_query_chunks": (512, 16, 2 << 30),   # (tokens at least, chunks at most, partial bytes at most)
     },
     "rms_norm_elements": 2048,              # elements a program: a row of H >= 2048, else 2048 / H rows

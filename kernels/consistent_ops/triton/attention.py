@@ -67,7 +67,7 @@ _SUM_SCALE = tl.constexpr(2.0 ** -TRITON_ATTENTION_SUM_BITS)
 # registers and spills 136 bytes (compiler report), the fastest of the tiles probed
 # (probe_attention_bwd); the dQ kernel (_BWD_DQ: warps, stages) 96 registers, no spills.
 _BWD_DKDV, _BWD_STAGES, _BWD_DQ = _A["backward_dkdv"], _A["backward_stages"], _A["backward_dq"]
-_DELTA_ROWS = _A["backward_delta_rows"]
+_DELTA_ROWS, _DELTA_WARPS = _A["backward_delta_rows"], _A["backward_delta_warps"]
 # dK/dV programs walk the query tiles of one chunk of at least _QCHUNK tokens each, at most
 # _CHUNKS chunks (fp32 partials, added in chunk order): the causal walks are unequal, and
 # shorter ones balance the SMs better than they cost in partials (H200, probe_attention_bwd:
@@ -899,7 +899,7 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None, qchunk=None)
     qt, chunks = _query_chunks(t, tpt, 2 * hkv * part_blocks * keys * d * 4, *(qchunk or ()))   # fp32 dK, dV
     delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(triton.cdiv(t * hq, _DELTA_ROWS),)](o, do, delta, t * hq, D=d, BLOCK=_DELTA_ROWS,
-                                                           num_warps=4)
+                                                           num_warps=_DELTA_WARPS)
     windows = _ds_windows(t, s, tpt, keys, qt, keys * rows * q.element_size() * hkv, _DS_BYTES)
     ds_blocks = max((w[2] for w in windows), default=1)
     ds = torch.empty((hkv * ds_blocks * keys, rows), dtype=q.dtype, device=q.device)

@@ -58,7 +58,7 @@ def _moe_config(rows):
     return _DECODE if rows <= _DECODE_ROWS else _MID if rows <= _MID_ROWS else _TILES
 
 
-_SOFTMAX_WARPS = 4
+_SOFTMAX_WARPS, _ACT_BWD_WARPS = _T["router_warps"], _T["act_backward_warps"]
 
 
 @triton.jit
@@ -416,7 +416,7 @@ def _act_backward(gu, dhw, wr):
     dw = torch.empty(rows, dtype=torch.float32, device=gu.device)
     if rows:
         _act_bwd_kernel[(rows,)](gu, dhw, wr, h, d_gu, dw, inter, BLOCK=min(triton.next_power_of_2(inter), 1024),
-                                 num_warps=4, **EXACT)
+                                 num_warps=_ACT_BWD_WARPS, **EXACT)
     return h, d_gu, dw
 
 
