@@ -501,13 +501,16 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     # programs an SM, not 3; over the half fold, H100 2026-12-06: B=1 x 1k / 8k / 32k 13.0 / 18.5 /
     # 41.3 us against 12.6 / 18.0 / 41.9, B=4 x 8k 34.7 / 36.2, 4 x 32k 119.3 / 116.2: mixed, kept
     # for the H200).
+    # "maxnreg N": the registers a thread capped (the decode tile takes 238 on sm_90, Triton 3.9 here:
+    # 2 programs of 4 warps an SM; 168 let 3, 128 let 4, spilling 32 / 424 bytes a thread), for more
+    # key blocks in flight an SM at B 4-16 x 32k (67 / 87 % of the HBM roofline on the H200, session 33).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
                 "table in loop": dict(hold=False), "full fold": dict(fold_half=False), "stages 4": dict(tile=(16, 4, 4)),
-                "chunk 256": dict(chunk=256)}
+                "chunk 256": dict(chunk=256), "maxnreg 168": dict(maxnreg=168), "maxnreg 128": dict(maxnreg=128)}
     variants = {k: v for k, v in variants.items() if only is None or k in only}
-    cold, cold_variants = Cold(), ("default", "table in loop", "stages 4")
+    cold, cold_variants = Cold(), ("default", "table in loop", "stages 4", "maxnreg 168")
     page = 16                   # page 32 gave the same times (2026-12-04)
     for batch, ctx in cases:
         cols = width or (40960 if batch <= 4 else ctx)

@@ -781,7 +781,7 @@ def _fits_int32(*caches):
 
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
-             chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True):
+             chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True, maxnreg=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
@@ -789,7 +789,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     (probes only: other bits); fold_stages: the split fold's pipeline stages (probes: the same bits);
     fold_half: a decode tile's fold over its real half of rows on or off (probes: the same bits);
     off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits); hold:
-    the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits)."""
+    the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits);
+    maxnreg: registers a thread at most (probes: more programs an SM, the same instructions' bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -832,7 +833,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
         OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
-        num_warps=warps, num_stages=stages, **EXACT)
+        num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}), **EXACT)
     return o
 
 
