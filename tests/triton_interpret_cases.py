@@ -689,6 +689,18 @@ def test_one_kernel_plan_equals_the_torch_plan(t, k, n_exp, lo, n_local, bm):
     assert torch.equal(fused["order"], ref["order"]) and torch.equal(fused["tile_e"], ref["tile_e"])
     assert torch.equal(fused["row0"][live], ref["row0"][live]) and torch.equal(fused["row_end"][live], ref["row_end"][live])
     assert (fused["row0"][~live] >= fused["row_end"][~live]).all()
+    # the grid's bound (_tile_bound) holds every row: live tiles cover the rows once
+    covered = (torch.minimum(ref["row_end"], ref["row0"] + bm) - ref["row0"])[live]
+    assert (covered > 0).all() and covered.sum() == t * k
+
+
+def test_the_expert_grid_is_no_larger_than_the_rows_at_decode():
+    """T=1, top-8, 128 experts: 8 tiles (every row its own expert, the worst case), not 130; the
+    plan fills exactly those."""
+    from consistent_ops.triton import moe as M
+    assert M._tile_bound(8, 16, 128) == 8 and M._tile_bound(2048, 16, 128) == 128 + 129
+    plan, _, n_tiles = M._plan_fused(torch.arange(8), 0, 128, 16)
+    assert n_tiles == 8 and torch.equal(plan["tile_e"], torch.arange(8, dtype=torch.int32))
 
 
 # ---------------------------------------------------------------- truncation

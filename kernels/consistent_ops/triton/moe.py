@@ -282,10 +282,18 @@ _PLAN_RB, _PLAN_TB = 4096, 256     # rows per pass; tile slots per store
 _FUSED_PLAN = True                 # False: the torch plan below (tests compare the two)
 
 
+def _tile_bound(rows, bm, n_local):
+    """The experts' grid: at least the tiles the plan can make of `rows` (token, slot) rows, from
+    shapes alone (no sync). A tile holds at least one row, and each group adds at most one partial
+    tile: at decode the first bound is the smaller (T=1, top-8: 8 tiles, not 130), so the launch
+    holds no idle programs that would take the SMs (and start before busy ones) for nothing."""
+    return min(rows, (rows + bm - 1) // bm + n_local + 1)
+
+
 def _plan_fused(flat, lo, n_local, bm):
     """The plan of _plan for a contiguous local expert range, in one launch."""
     rows = flat.numel()
-    n_tiles = (rows + bm - 1) // bm + n_local + 1
+    n_tiles = _tile_bound(rows, bm, n_local)
     dev, i32 = flat.device, torch.int32
     key = torch.empty(rows, dtype=torch.int64, device=dev)
     plan = dict(order=torch.empty(rows, dtype=i32, device=dev), tile_e=torch.empty(n_tiles, dtype=i32, device=dev),
@@ -311,7 +319,7 @@ def _plan(ids, local, n_local, bm):
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
-    n_tiles = (flat.numel() + bm - 1) // bm + n_local + 1   # >= sum(tiles), known without a sync
+    n_tiles = _tile_bound(flat.numel(), bm, n_local)
     t = torch.arange(n_tiles, device=ids.device)
     e = torch.searchsorted(tile_end, t, right=True)
     ec = e.clamp(max=n_local)
