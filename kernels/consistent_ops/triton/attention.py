@@ -808,7 +808,12 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         raise ValueError("q, k, v need a contiguous head_dim")
     o = torch.empty_like(q)
     s, hkv, (t, hq, d) = len(q_start) - 1, k.shape[-2], q.shape
-    programs, sb = _grid_tiles(t, s, tpt)
+    bound, sb = _grid_tiles(t, s, tpt)
+    # a tile holds a token at least: a decode step's grid is its S tiles (not S + S/2, a third of them
+    # idle programs taking the SMs between busy ones); the split threshold stays timed on the bound
+    programs = min(t, bound)
+    if not programs:
+        return o
     tab = table if paged else q_start
     kr, vr = (k.stride(1), v.stride(1)) if paged else (k.stride(0), v.stride(0))
     tma = not paged and (_FWD_TMA if tma is None else tma) and k.shape[0] > 0 and k.is_contiguous() \
@@ -817,7 +822,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     # the chunks a sequence of the table's capacity has: shapes only
     chunks = triton.cdiv(table.shape[1] * page, chunk) if paged else 1
     if split is None:
-        split = paged and programs * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
+        split = paged and bound * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
     # (int32 state offsets: _chunk_ptrs)
     split = split and paged and chunks > 1 and lse is None and chunks * t * hq * d < 2 ** 31
     count = _counters(q.device, programs * hkv) if split else o
