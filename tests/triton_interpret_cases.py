@@ -596,6 +596,17 @@ def test_moe_route_and_contributions(moe):
     assert T.moe_experts(x, ids, w, grad) is None                      # under autograd: the caller runs both
 
 
+def test_moe_grid_order_keeps_the_bits(moe, monkeypatch):
+    """The experts' grid numbers a tile's column blocks first at decode sizes, a column block's tiles
+    first above: the same programs, the same bits."""
+    from consistent_ops.triton import moe as M
+    x, gate, experts = moe
+    ids, w = T.moe_route(x, gate, K)
+    decode, _ = T.moe_expert_contributions(x, ids, w, experts)
+    monkeypatch.setattr(M, "_DECODE_ROWS", 0)
+    assert torch.equal(T.moe_expert_contributions(x, ids, w, experts)[0], decode)
+
+
 def test_moe_gradients(moe):
     """Per-expert tensors and the stacks (gradients straight into gate_up / down) give the
     same gradients, close to the reference's."""

@@ -72,9 +72,10 @@ def _softmax_kernel(L, P, E, stride, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile(TileE, TileRow0, TileRowEnd, Order, BM: tl.constexpr):
-    """Expert, sorted rows and their (token*k + slot) ids for this program's tile."""
-    t = tl.program_id(0)
+def _tile(TileE, TileRow0, TileRowEnd, Order, BM: tl.constexpr, TILE_AXIS: tl.constexpr):
+    """Expert, sorted rows and their (token*k + slot) ids for this program's tile (grid axis
+    TILE_AXIS; the other: the program's column block)."""
+    t = tl.program_id(TILE_AXIS)
     e = tl.load(TileE + t)
     r0 = tl.load(TileRow0 + t)
     rows = r0 + tl.arange(0, BM)
@@ -86,12 +87,13 @@ def _tile(TileE, TileRow0, TileRowEnd, Order, BM: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, GU, K, TOPK, NL,
                     stride_x, stride_we, stride_wn, stride_h,
-                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr):
-    e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM)
+                    BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr,
+                    TILE_AXIS: tl.constexpr):
+    e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM, TILE_AXIS)
     if (e < 0) | (e >= NL):                     # idle tile (the grid is an upper bound) or zero tile
         return
     tok = slot // TOPK
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1 - TILE_AXIS) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     wg = Wg + e.to(tl.int64) * stride_we
     wu = Wu + e.to(tl.int64) * stride_we
@@ -118,11 +120,11 @@ def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, GU, K, 
 @triton.jit
 def _down_kernel(Hin, Order, TileE, TileRow0, TileRowEnd, Wd, RouteW, Out, K, NL, stride_h,
                  stride_we, stride_wn, stride_o, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM)
+                 BLOCK_K: tl.constexpr, TILE_AXIS: tl.constexpr):
+    e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM, TILE_AXIS)
     if e < 0:
         return
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1 - TILE_AXIS) * BLOCK_N + tl.arange(0, BLOCK_N)
     if e == NL:                                 # slots of experts that are not local: zeros
         tl.store(Out + slot[:, None] * stride_o + n[None, :], tl.zeros((BM, BLOCK_N), tl.float32),
                  mask=live[:, None])
@@ -358,12 +360,19 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=
     wd = wd if wd.stride(-1) == 1 else wd.contiguous()
     wg, wu = w_gate_up[:, :inter], w_gate_up[:, inter:]     # views: the kernel reads the stack in place
     gu = torch.empty((t * k, 2 * inter), dtype=x.dtype, device=x.device) if save_gu else h
-    _gate_up_kernel[(n_tiles, triton.cdiv(inter, gate_up["BLOCK_N"]))](
+    # decode sizes: a tile's column blocks numbered first, so the plan's tiles (the first ones) start
+    # before its idle slots; larger batches: a column block's tiles first (an expert's tiles share it in L2)
+    axis = int(t * k <= _DECODE_ROWS)
+
+    def grid(blocks):
+        return (blocks, n_tiles) if axis else (n_tiles, blocks)
+    _gate_up_kernel[grid(triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, plan["order"], *tiles, wg, wu, h, gu, hidden, k, n_local,
-        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, SAVE_GU=save_gu, **EXACT)
-    _down_kernel[(n_tiles, triton.cdiv(hidden, down["BLOCK_N"]))](
+        x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, SAVE_GU=save_gu, TILE_AXIS=axis,
+        **EXACT)
+    _down_kernel[grid(triton.cdiv(hidden, down["BLOCK_N"]))](
         h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter, n_local,
-        h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, **EXACT)
+        h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, TILE_AXIS=axis, **EXACT)
     out = contrib.view(t, k, hidden), (key < n_local).view(t, k) if owned else None
     return (*out, (gu, plan["order"], key)) if save_gu else out
 
