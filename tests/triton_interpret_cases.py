@@ -674,6 +674,11 @@ def test_fused_router_rope_combine_equal_their_torch_forms():
     ids_t, w_t = M._route_from_probs(M._softmax_rows(logits), 2, True)     # the training path's ops
     assert torch.equal(ids, ids_t) and torch.equal(w, w_t)
     assert ids[3].tolist() == [0, 1] and ids[5].tolist() == [2, 6]
+    bad = logits.clone()
+    bad[0] = float("nan")                    # a diverged row still names experts (no read past the table)
+    ids_bad, w_bad = M._route_fused(bad, 2, True)
+    assert ((ids_bad >= 0) & (ids_bad < logits.shape[1])).all() and w_bad[0].isnan().all()
+    assert torch.equal(ids_bad[1:], ids[1:]) and torch.equal(w_bad[1:], w[1:])
     assert torch.equal(T.apply_rope(x, cos, sin), R.apply_rope(x, cos, sin))
     assert torch.equal(T.moe_combine(contrib, BF16), R.moe_combine(contrib, BF16))
     xg, cg = x.clone().requires_grad_(), contrib.clone().requires_grad_()

@@ -158,8 +158,12 @@ def _route_kernel(L, Ids, W, E, stride, TOPK: tl.constexpr, KB: tl.constexpr, NO
     total = 0.0                                   # 0 + w0 = w0 exactly: the slot-order sum
     for j in tl.static_range(TOPK):
         best = tl.max(p, 0)
-        pick = tl.minimum(tl.min(tl.where(p == best, cols, BLOCK), 0), E - 1)   # a NaN row still names an expert
-        wj = tl.sum(tl.where(cols == pick, p, 0.0), 0)                          # p[pick], exactly
+        first = tl.min(tl.where(p == best, cols, BLOCK), 0)
+        pick = tl.minimum(first, E - 1)                                         # a NaN row still names an expert
+        if first < BLOCK:                                                       # p[pick] == best, exactly
+            wj = best
+        else:                                                                   # a NaN row: p[E - 1]
+            wj = tl.sum(tl.where(cols == pick, p, 0.0), 0)
         ids = tl.where(slots == j, pick, ids)
         w = tl.where(slots == j, wj, w)
         total = total + wj
