@@ -343,7 +343,7 @@ def _flat_index(p, i, units):
 def _flat_tile(p, Starts, S, UNIT: tl.constexpr, SB: tl.constexpr):
     """(sequence, tile) of program p when the tiles of UNIT tokens of every sequence are
     numbered one after another, sequence 0's first. The grid is sized by shapes alone
-    (cdiv(T, UNIT) + S bounds the tiles of any batch of T tokens in S sequences), so a
+    (min(T, cdiv(T, UNIT) + S) bounds the tiles of any batch of T tokens in S sequences), so a
     mixed batch launches no program per (sequence, longest query) pair, and nothing is
     read back on the host; seq >= S: p is past the last tile. SB: a power of two >= S."""
     i, lens = _seq_lens(Starts, S, SB)
