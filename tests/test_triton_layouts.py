@@ -246,3 +246,24 @@ def test_the_vocabulary_walks_read_vectors_through_the_pipeline(which):
     The companion: a row width that is no multiple of 16 reads 4 bytes a copy."""
     assert vocabulary_copies(which, {"stride_z", "stride_o", "V"}) == ["0x10"]
     assert vocabulary_copies(which, {"stride_z", "stride_o"}) == ["0x4"]
+
+
+MOE_TYPES = {"X": "*bf16", "Hin": "*bf16", "Wg": "*bf16", "Wu": "*bf16", "Wd": "*bf16", "Hout": "*bf16", "GU": "*bf16",
+             "Order": "*i32", "TileE": "*i32", "TileRow0": "*i32", "TileRowEnd": "*i32", "RouteW": "*fp32",
+             "Out": "*fp32"}
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_the_expert_kernels_compile_in_either_grid_order(axis):
+    """The experts' kernels with their tile on grid axis 0 (large batches) or 1 (decode sizes:
+    the plan's tiles before its idle slots), compiled for sm_90 to a cubin with the decode tiles;
+    and the router (its NaN row's branch included)."""
+    from consistent_ops.triton import moe
+    bm, gate_up, down = moe._DECODE
+    for kernel, opts, extra in ((moe._gate_up_kernel, gate_up, dict(SAVE_GU=False)), (moe._down_kernel, down, {})):
+        const = dict(BM=bm, BLOCK_N=opts["BLOCK_N"], BLOCK_K=opts["BLOCK_K"], TILE_AXIS=axis, **extra)
+        assert compile_h200(kernel, MOE_TYPES, const, set(), num_warps=opts["num_warps"],
+                            num_stages=opts["num_stages"]).asm["cubin"]
+    router = compile_h200(moe._route_kernel, {"L": "*fp32", "Ids": "*i64", "W": "*fp32"},
+                          dict(TOPK=8, KB=8, NORM=True, BLOCK=128), set(), num_warps=moe._SOFTMAX_WARPS)
+    assert router.asm["cubin"]
