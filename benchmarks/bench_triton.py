@@ -491,26 +491,26 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-30) and dropped from the list:
     # stages 2 / 5 (timed before the held page ids), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
     # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width,
-    # 8 warps on the half fold (45.7 against 41.8 us at B=1 x 32k, 2026-12-06).
-    # Kept: the decode tile before 2026-12-06 ("one warp": 20.8 vs 14.3 us at B=1 x 1k); the page ids
-    # read in the walk's loop as before 2026-12-06 ("table in loop"); chunks of 256 keys (a contract
-    # change, other bits: more programs against a longer fold); 8 warps on 16 rows (the same bits
-    # since the integer row sum); the fold over the whole decode tile ("full fold"; the default folds
-    # a decode step's real half of rows: B=1 x 32k 51.3 -> 41.8 us); 4 stages on the 4-warp tile
+    # 8 warps on the half fold (45.7 against 41.8 us at B=1 x 32k, 2026-12-06); and, slower on the H100
+    # and the H200 alike (sessions 30-34), the decode tile before 2026-12-06 (one warp: 20.8 vs 14.3
+    # us at B=1 x 1k), 8 warps on 16 rows, the page ids read in the walk's loop.
+    # Kept: chunks of 256 keys (a contract change, other bits: more programs against a longer fold);
+    # the fold over the whole decode tile ("full fold"; the default folds a decode step's real half of
+    # rows: B=1 x 32k 51.3 -> 41.8 us); the fold in one segment, or in segments of 8 or 32 chunks
+    # (the default: 16 where a launch's chunk programs span waves, _FOLD_SEGMENT); 4 stages on the 4-warp tile
     # ("stages 4": two key blocks in flight a program, 104 KB of shared memory against 70, so 2
     # programs an SM, not 3; over the half fold, H100 2026-12-06: B=1 x 1k / 8k / 32k 13.0 / 18.5 /
     # 41.3 us against 12.6 / 18.0 / 41.9, B=4 x 8k 34.7 / 36.2, 4 x 32k 119.3 / 116.2: mixed, kept
     # for the H200).
-    # "maxnreg N": the registers a thread capped (the decode tile takes 238 on sm_90, Triton 3.9 here:
-    # 2 programs of 4 warps an SM; 168 let 3, 128 let 4, spilling 32 / 424 bytes a thread), for more
-    # key blocks in flight an SM at B 4-16 x 32k (67 / 87 % of the HBM roofline on the H200, session 33).
+    # (A register cap, 3 or 4 programs an SM where the tile's 238 registers allow 2: within +-3 %, H200
+    # 2026-12-06, slower at B=1 x 1k; dropped.)
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
-    variants = {"default": {}, "one warp": dict(tile=(16, 1, 3)), "8 warps": dict(tile=(16, 8, 3)),
-                "table in loop": dict(hold=False), "full fold": dict(fold_half=False), "stages 4": dict(tile=(16, 4, 4)),
-                "chunk 256": dict(chunk=256), "maxnreg 168": dict(maxnreg=168), "maxnreg 128": dict(maxnreg=128)}
+    variants = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
+                "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
+                "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256)}
     variants = {k: v for k, v in variants.items() if only is None or k in only}
-    cold, cold_variants = Cold(), ("default", "table in loop", "stages 4", "maxnreg 168")
+    cold, cold_variants = Cold(), ("default", "one segment", "stages 4")
     page = 16                   # page 32 gave the same times (2026-12-04)
     for batch, ctx in cases:
         cols = width or (40960 if batch <= 4 else ctx)
@@ -548,7 +548,7 @@ def probe_fold_length():
     64 / 32 / 16 / 8 / 4 / 2 steps: ~0.24 us a step, over the whole tile: "full fold"); the default
     folds a decode tile's real half of rows (41.9 / 38.8 / 36.1 / 35.7 / 35.0 / 36.5 us: ~0.1 us)."""
     probe_decode_split(tuple((b, 32768 // b) for b in (1, 2, 4, 8, 16, 32)),
-                       only=("default", "full fold"), width=40960)
+                       only=("default", "one segment", "full fold"), width=40960)
 
 
 BWD_SHAPES = ((4096, 4), (8192, 2), (16384, 1), (4096, 1))   # S x seqs; 4k x1: the actor's one sequence

@@ -100,7 +100,8 @@ def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=T
     const = dict(G=8, TPT=rows // 8, ROWS=rows, D=128, KV=KV_BLOCK, CHUNK=KV_CHUNK, PAGE=page if paged else 1,
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
                  FOLD_STAGES=fold_stages or ta._FOLD_STAGES,
-                 FOLD_HALF=ta._FOLD_HALF if fold_half is None else fold_half, OFF32=paged and off32, HOLD=hold)
+                 FOLD_HALF=ta._FOLD_HALF if fold_half is None else fold_half, OFF32=paged and off32, HOLD=hold,
+                 SEG=ta._FOLD_SEGMENT, LAST_FIRST=False)
     asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
                        num_stages=stages).asm
     assert asm["cubin"]

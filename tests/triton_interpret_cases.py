@@ -290,32 +290,52 @@ def test_split_fold_over_a_tiles_real_half_gives_the_same_bits(prefill, monkeypa
     assert torch.equal(ta._forward(*args, split=False), want)
 
 
+@pytest.mark.parametrize("segment", [1, 2, 3])
+@pytest.mark.parametrize("last_first", [False, True], ids=["in-order", "last-first"])
+def test_split_fold_in_segments_gives_the_same_bits(segment, last_first, monkeypatch):
+    """The split fold cut into segments of 1, 2 or 3 chunks (each folded by its last arrival onto the
+    fold of those before, read back from the slot of the previous segment's last chunk) == the
+    unsplit launch, bit for bit, whole and half fold: chunks arriving in order (each segment's fold
+    handed on to a later arrival) and last first (the first segment's folder finds every later one
+    arrived and folds them all); every counter back at 0."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "KV_CHUNK", 64)
+    args = _decode_tail(torch.float32)
+    want = ta._forward(*args, split=False)
+    for half in (False, True):
+        got = ta._forward(*args, split=True, fold_segment=segment, last_first=last_first, fold_half=half)
+        assert torch.equal(got, want) and _counters_idle()
+
+
 @triton.jit
-def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr, STAGES: tl.constexpr):
-    """_fold_states with the chunks in reverse order (the mutation the companion below runs)."""
-    pa, pm, pl = _chunk_ptrs(WAcc, WML, n - 1, qrow, head, T, HQ, chunks, D)
+def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, first, end, D: tl.constexpr, STAGES: tl.constexpr):
+    """_fold_states with the slots in reverse order (the mutation the companion below runs)."""
+    pa, pm, pl = _chunk_ptrs(WAcc, WML, end - 1, qrow, head, T, HQ, chunks, D)
     acc = tl.load(pa, mask=valid[:, None], other=0.0)
     m = tl.load(pm, mask=valid, other=0.0)
     l = tl.load(pl, mask=valid, other=1.0)
-    for i in range(1, n):
-        pa, pm, pl = _chunk_ptrs(WAcc, WML, n - 1 - i, qrow, head, T, HQ, chunks, D)
+    for i in range(first + 1, end):
+        pa, pm, pl = _chunk_ptrs(WAcc, WML, end - 1 - i + first, qrow, head, T, HQ, chunks, D)
         acc, m, l = _fold(acc, m, l, tl.load(pa, mask=valid[:, None], other=0.0),
                           tl.load(pm, mask=valid, other=float("-inf")), tl.load(pl, mask=valid, other=0.0))
     return acc, m, l
 
 
-def test_split_fold_order_reaches_the_bits(monkeypatch):
+@pytest.mark.parametrize("segment", [None, 2], ids=["one-segment", "segments-of-2"])
+def test_split_fold_order_reaches_the_bits(segment, monkeypatch):
     """Companion: the split launch folding its chunk states in reverse order gives other bits on
     every row that sees 3 or 4 chunks (the equality above would catch a wrong order); rows of 1
-    or 2 chunks keep theirs (one fold of two states is commutative)."""
+    or 2 chunks keep theirs (one fold of two states is commutative). In segments of 2, each
+    segment's slots reversed: the decode at 200 keys still differs (its second segment folds 3)."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "KV_CHUNK", 64)
     args = _decode_tail(torch.float32)
     want = ta._forward(*args, split=False)
     monkeypatch.setattr(ta, "_fold_states", _fold_reversed)
-    got = ta._forward(*args, split=True)
+    got = ta._forward(*args, split=True, fold_segment=segment)
     differ = [r for r in range(len(got)) if not torch.equal(got[r], want[r])]
-    assert differ == [0, 20, 21] and _counters_idle()      # the decode at 200 keys, prefill rows at 128, 129
+    # the decode at 200 keys; whole: the prefill rows at 128, 129 too
+    assert differ == ([0, 20, 21] if segment is None else [0]) and _counters_idle()
 
 
 def test_attention_backward_over_query_chunks(qkv, monkeypatch):

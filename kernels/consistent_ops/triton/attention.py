@@ -18,7 +18,8 @@ its chunks' states in order (_fold). Small paged batches (the decode tail) run o
 (tile, chunk) instead, each writing its chunk's fp32 state; the last of a tile's programs to
 finish (an arrival counter per (tile, KV head), _last_to_arrive) folds them in the same order
 with the same instructions (_fold_states), in the same launch: the same bits, many more
-programs at long context, no second launch.
+programs at long context, no second launch. Over many waves the fold runs in segments of chunks
+(_fold_arrivals), each folded by its last arrival while later chunks walk.
 The softmax runs in base 2 (contract.ACCUMULATION["triton"]). Grids are sized by shapes
 alone: the tiles of every sequence are numbered one after another (_flat_tile), so a mixed
 prefill/decode batch is one launch of about T / tile + S programs and captures in a CUDA
@@ -109,9 +110,17 @@ _FOLD_STAGES = 4
 # over the whole [16, 128] state, ~0.1 over its half (H100, 2026-12-06, probe_fold_length: B=1 x 32k
 # 51.3 -> 41.8 us; 8 warps on the half 45.7); in vLLM's 48-layer step B=1 x 32k 6.995 -> 6.479 ms.
 _FOLD_HALF = True
+# The split fold in segments of _FOLD_SEGMENT chunks (_fold_arrivals) where a launch's chunk programs
+# outnumber _SEGMENT_PROGRAMS times the split threshold (2 waves: B=4 x 32k's 1,024 programs are ~4
+# waves of 2 an SM): a segment folds while later chunks walk, so the fold left after the last chunk
+# is a segment's (16 steps) where it was the tile's (64 at 32k: ~6 us, ~0.1 us a step, of the H200's
+# 93 us launch at B=4 x 32k); in one wave (B=1 x 32k) the chunks arrive together and segments would
+# only add their stores. The same bits either way.
+_FOLD_SEGMENT, _SEGMENT_PROGRAMS = 16, 2
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
-# use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head) pairs of any
-# launch the threshold splits (fewer than 2 an SM: 264 on the H200).
+# use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head, fold segment)
+# triples of any launch the threshold splits (fewer than 264 pairs on the H200, 5 segments at a
+# 40k table, 16 at 128k).
 _COUNTERS, _COUNTER_SLOTS = {}, 1 << 14
 
 
@@ -378,7 +387,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
                      FOLD_STAGES: tl.constexpr, FOLD_HALF: tl.constexpr, OFF32: tl.constexpr,
-                     HOLD: tl.constexpr):
+                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance
     seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
     if seq >= S:
@@ -388,6 +397,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
     q0, qrow, hg, valid, qpos, first_pos, last_pos, seq_len = _tile_setup(seq, tile, QStart, SeqLen, G, TPT,
                                                                           ROWS, PAGED)
     c = tl.program_id(2)                             # SPLIT: this program's KV chunk (else 0)
+    if LAST_FIRST:                                   # (tests: the chunks arrive last first)
+        c = tl.num_programs(2) - 1 - c
     if c > last_pos // CHUNK:                        # no row of the tile sees it
         return
     head = kvh * G + hg
@@ -413,19 +424,20 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
             # the tile's chunk programs: none past the table's capacity (only vLLM's dummy runs have
             # sequences longer than a table row; their outputs are never read)
             n = tl.minimum(last_pos // CHUNK + 1, tl.num_programs(2))
-            if _last_to_arrive(Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), n):
-                if (FOLD_HALF and TPT >= 2) and (last_pos - first_pos < TPT // 2):
-                    # the tile's real rows are its first half (a decode step: one token of TPT): those
-                    # alone are folded (half the elements a thread: 98 SASS instructions a step, not
-                    # 152) and stored here; the same instructions on each real row, so the same bits
-                    tok, hg2, valid2 = _tile_rows(tile, tile * TPT + last_pos - first_pos + 1, ROWS // 2, G, TPT)
-                    qrow2, head2 = (q0 + tok).to(tl.int64), kvh * G + hg2
-                    acc2, _, l2 = _fold_states(WAcc, WML, qrow2, head2, valid2, T, hq, tl.num_programs(2), n, D,
-                                               FOLD_STAGES)
+            if (FOLD_HALF and TPT >= 2) and (last_pos - first_pos < TPT // 2):
+                # the tile's real rows are its first half (a decode step: one token of TPT): those
+                # alone are folded (half the elements a thread: 98 SASS instructions a step, not
+                # 152) and stored here; the same instructions on each real row, so the same bits
+                tok, hg2, valid2 = _tile_rows(tile, tile * TPT + last_pos - first_pos + 1, ROWS // 2, G, TPT)
+                qrow2, head2 = (q0 + tok).to(tl.int64), kvh * G + hg2
+                done, acc2, _, l2 = _fold_arrivals(WAcc, WML, Count, c, n, qrow2, head2, valid2, T, hq, ROWS // 2, D,
+                                                   SEG, FOLD_STAGES)
+                if done:
                     _store_out(O, qrow2, head2, stride_ot, stride_oh, acc2, l2, valid2, D)
-                else:
-                    acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, hq, tl.num_programs(2), n, D,
-                                               FOLD_STAGES)
+            else:
+                done, acc, m, l = _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, hq, ROWS, D, SEG,
+                                                 FOLD_STAGES)
+                if done:
                     store = valid
     else:
         acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
@@ -482,6 +494,38 @@ def _last_to_arrive(Count, n):
 
 
 @triton.jit
+def _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, HQ, R: tl.constexpr, D: tl.constexpr,
+                   SEG: tl.constexpr, STAGES: tl.constexpr):
+    """Chunk c's arrival, its state stored, and the folds it then owes. A tile's n chunks fold in
+    segments of SEG (0: one segment of all n), a counter each: segment s's last arrival (of its
+    chunks' programs and, for s > 0, the folder of s - 1) folds its chunks onto the fold of those
+    before, which the folder of s - 1 stored in the slot of its last chunk (fp32, read back exact):
+    _fold_states' one left fold in chunk order, cut into pieces, so the same bits; the folds of early
+    segments run while later chunks still walk. A folder whose next segment has all arrived goes on
+    with it. Returns (done, acc, m, l) of R rows: done where this program folded the last segment
+    (acc, m, l then the fold of all n states)."""
+    size = n if SEG == 0 else SEG
+    last = (n - 1) // size
+    per = tl.num_programs(0) * tl.num_programs(1)     # counters a segment: one per (tile program, KV head)
+    mine = Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    s0 = c // size
+    go = _last_to_arrive(mine + s0 * per, tl.minimum(size, n - s0 * size) + (s0 > 0).to(tl.int32))
+    done = s0 < 0
+    acc, m, l = _fresh(R, D)
+    for s in range(s0, last + 1):
+        if go:
+            hi = tl.minimum(s * size + size, n)
+            acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, HQ, tl.num_programs(2),
+                                     tl.maximum(s * size - 1, 0), hi, D, STAGES)
+            if s == last:
+                done = go
+            else:
+                _chunk_store(WAcc, WML, hi - 1, qrow, head, valid, acc, m, l, T, HQ, tl.num_programs(2), D)
+                go = _last_to_arrive(mine + (s + 1) * per, tl.minimum(size, n - (s + 1) * size) + 1)
+    return done, acc, m, l
+
+
+@triton.jit
 def _load_state(WAcc, WML, c, qrow, head, valid, T, HQ, chunks, D: tl.constexpr):
     """Chunk c's stored state (acc, m, l), read past L1 (other programs wrote it); invalid rows
     an empty state."""
@@ -492,17 +536,18 @@ def _load_state(WAcc, WML, c, qrow, head, valid, T, HQ, chunks, D: tl.constexpr)
 
 
 @triton.jit
-def _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, n, D: tl.constexpr, STAGES: tl.constexpr):
-    """The chunk states 0 .. n-1 (n >= 2) of a split tile folded in chunk order: _attend_tile's
-    order and instructions. Returns the fold's acc, m and l. The fold is a serial chain, and a step
+def _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, first, end, D: tl.constexpr, STAGES: tl.constexpr):
+    """The states in slots first .. end-1 of a split tile folded in slot order: _attend_tile's
+    order and instructions (slot first: chunk 0's state, or the fold up to it). Returns the fold's
+    acc, m and l. The fold is a serial chain, and a step
     that waits on its own loads takes a round trip to L2 (~0.75 us a chunk on the H100, 2026-12-05:
     B=1 x 32k, 64 chunks, 67 us a launch, 8k 31 us): the states are read through the software
     pipeline instead (cp.async into shared memory, STAGES - 2 chunks ahead of the one folded;
     tests/test_triton_layouts.py checks that the compiler does)."""
-    acc, m, l = _load_state(WAcc, WML, 0, qrow, head, valid, T, HQ, chunks, D)
+    acc, m, l = _load_state(WAcc, WML, first, qrow, head, valid, T, HQ, chunks, D)
     m = tl.where(valid, m, 0.0)          # invalid rows: finite, never stored
     l = tl.where(valid, l, 1.0)
-    for c in tl.range(1, n, num_stages=STAGES):
+    for c in tl.range(first + 1, end, num_stages=STAGES):
         cacc, cm, cl = _load_state(WAcc, WML, c, qrow, head, valid, T, HQ, chunks, D)
         acc, m, l = _fold(acc, m, l, cacc, cm, cl)
     return acc, m, l
@@ -750,8 +795,8 @@ def _split_programs(device) -> int:
 
 
 def _counters(device, slots):
-    """The split launch's arrival counters on `device` (int32, one per (tile program, KV head),
-    zero between launches: each tile's last program resets its own), at least `slots` of them;
+    """The split launch's arrival counters on `device` (int32, one per (tile program, KV head, fold
+    segment), zero between launches: each tile's last program resets its own), at least `slots` of them;
     None where that needs an allocation while the current stream is capturing a CUDA graph.
     The rule: allocated at the first split launch (vLLM's eager warm-up before each capture
     makes it), at least _COUNTER_SLOTS (one allocation serves every launch the threshold
@@ -781,7 +826,8 @@ def _fits_int32(*caches):
 
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
-             chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True, maxnreg=None):
+             chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True, fold_segment=None,
+             last_first=False):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
@@ -790,7 +836,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     fold_half: a decode tile's fold over its real half of rows on or off (probes: the same bits);
     off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits); hold:
     the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits);
-    maxnreg: registers a thread at most (probes: more programs an SM, the same instructions' bits)."""
+    fold_segment: chunks a segment of the split fold (0: one segment; probes and tests: the same
+    bits); last_first: chunk programs numbered from the last chunk (tests: the same bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -825,7 +872,10 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         split = paged and bound * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
     # (int32 state offsets: _chunk_ptrs)
     split = split and paged and chunks > 1 and lse is None and chunks * t * hq * d < 2 ** 31
-    count = _counters(q.device, programs * hkv) if split else o
+    if fold_segment is None:   # segments where the chunk programs span waves (shapes only)
+        fold_segment = _FOLD_SEGMENT if programs * hkv * chunks > _SEGMENT_PROGRAMS * _split_programs(q.device) else 0
+    segments = triton.cdiv(chunks, fold_segment) if fold_segment else 1
+    count = _counters(q.device, programs * hkv * segments) if split else o
     split = split and count is not None
     wacc, wml = ((torch.empty((chunks, t, hq, d), dtype=torch.float32, device=q.device),
                   torch.empty((2, chunks, t, hq), dtype=torch.float32, device=q.device)) if split else (o, o))
@@ -837,8 +887,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=chunk, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
-        OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
-        num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}), **EXACT)
+        OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold, SEG=fold_segment,
+        LAST_FIRST=last_first, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
