@@ -479,13 +479,14 @@ def _chunk_store(WAcc, WML, c, qrow, head, valid, acc, m, l, T, HQ, chunks, D: t
 
 @triton.jit
 def _last_to_arrive(Count, n):
-    """Whether this program is the last of the n programs of its tile to have stored its chunk
-    state; that one resets the tile's counter to 0 (for the next launch or graph replay).
+    """Whether this program is the last of the n arrivals at Count (a tile's chunk programs that
+    stored their states, and in segments the folder before, its fold stored); that one resets
+    the counter to 0 (for the next launch or graph replay).
     Ordering: every thread's state stores, then a CTA barrier, then ONE acq_rel atomic at gpu
     scope (release: the barrier put the other threads' stores before it; acquire: the last
     program sees every earlier program's release, the atomics on Count forming one chain).
     The old value reaches every thread of the program through shared memory and a barrier,
-    so its loads after this (bypassing L1: _fold_states) see all n states."""
+    so its loads after this (bypassing L1: _fold_states) see all n stores."""
     tl.debug_barrier()
     last = tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu") == n - 1
     if last:
@@ -887,8 +888,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         G=g, TPT=tpt, ROWS=rows, D=d, KV=KV_BLOCK, CHUNK=chunk, PAGE=page, PAGED=paged,
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
-        OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold, SEG=fold_segment,
-        LAST_FIRST=last_first, num_warps=warps, num_stages=stages, **EXACT)
+        OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
+        SEG=fold_segment if split else 0, LAST_FIRST=last_first, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
