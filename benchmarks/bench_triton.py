@@ -486,8 +486,6 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
     32k with vLLM's table width (40,960 tokens: 80 KV chunks of programs, most returning at once), and
     at B=16 x 32k and B=64 x 8k, for other tiles, the page ids read in the loop and a shorter KV chunk;
     bits against the default launch. only: these variants alone; width: the table's, for every case."""
-    from consistent_ops.triton import attention as ta
-    from harness import PagedKV
     # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-30) and dropped from the list:
     # stages 2 / 5 (timed before the held page ids), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
     # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width,
@@ -511,19 +509,8 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
                 "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256)}
     variants = {k: v for k, v in variants.items() if only is None or k in only}
     cold, cold_variants = Cold(), ("default", "one segment", "stages 4")
-    page = 16                   # page 32 gave the same times (2026-12-04)
     for batch, ctx in cases:
-        cols = width or (40960 if batch <= 4 else ctx)
-        kv = PagedKV(1, batch * cols // page + 8, page, HKV, D, BF16, DEV)
-        kv.k[0].normal_(), kv.v[0].normal_()
-        _, _, bt, seq_lens, _ = kv.plan([(i, ctx) for i in range(batch)])
-        table = torch.zeros(batch, cols // page, dtype=torch.int32, device=DEV)
-        table[:, :bt.shape[1]] = bt
-        q = rand(batch, HQ, D)
-        qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
-
-        def run(**kw):
-            return ta._forward(q, kv.k[0], kv.v[0], qsl, seq_lens, table, D ** -0.5, True, **kw)
+        run, cols = _decode_launch(batch, ctx, width)
         base = run()
         cells = []
         for name, kw in variants.items():
@@ -535,9 +522,47 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 3
                     cells.append(f"{name} cold {cold(lambda kw=kw: run(**kw)) * 1e3:.1f} us")
             except Exception as e:
                 cells.append(f"{name} failed {type(e).__name__}")
-        print(f"probe decode split page={page} B={batch} ctx={ctx} table {cols}: " + "; ".join(cells),
+        print(f"probe decode split page={DECODE_PAGE} B={batch} ctx={ctx} table {cols}: " + "; ".join(cells),
               flush=True)
-        del kv
+
+
+DECODE_PAGE = 16     # page 32 gave the same times (2026-12-04)
+
+
+def _decode_launch(batch, ctx, width=None):
+    """(run, table width): run(**variant) is the decode tail's paged launch (_forward) of one token in
+    each of B sequences of ctx keys, at vLLM's table width (40,960 tokens) up to B=4, else ctx."""
+    from consistent_ops.triton import attention as ta
+    from harness import PagedKV
+    cols = width or (40960 if batch <= 4 else ctx)
+    kv = PagedKV(1, batch * cols // DECODE_PAGE + 8, DECODE_PAGE, HKV, D, BF16, DEV)
+    kv.k[0].normal_(), kv.v[0].normal_()
+    _, _, bt, seq_lens, _ = kv.plan([(i, ctx) for i in range(batch)])
+    table = torch.zeros(batch, cols // DECODE_PAGE, dtype=torch.int32, device=DEV)
+    table[:, :bt.shape[1]] = bt
+    q = rand(batch, HQ, D)
+    qsl = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+    return (lambda **kw: ta._forward(q, kv.k[0], kv.v[0], qsl, seq_lens, table, D ** -0.5, True, **kw)), cols
+
+
+def probe_decode_ncu(cases=((4, 32768), (64, 8192), (1, 1024)), variants=(("default", {}), ("one segment",
+                     dict(fold_segment=0)))):
+    """One launch of each case and variant inside an NVTX range "ncu/B x ctx variant" (its warm-up
+    launch outside), for Nsight Compute to read where the walk's time goes (why B=4 x 32k streams
+    at ~3.3 TB/s where B=64 x 8k reaches 4.0 with the same chunk programs):
+      ncu --clock-control none --nvtx --nvtx-include "ncu/" --section SpeedOfLight --section Occupancy
+          --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/bench_triton.py
+          --only probe_decode_ncu"""
+    for batch, ctx in cases:
+        run, _ = _decode_launch(batch, ctx)
+        for name, kw in variants:
+            run(**kw)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push(f"ncu/B={batch} ctx={ctx} {name}")
+            run(**kw)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            print(f"probe decode ncu: B={batch} ctx={ctx} {name}", flush=True)
 
 
 def probe_fold_length():
@@ -719,7 +744,7 @@ def main():
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
                  probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=probe_decode_split,
-                 probe_fold_length=probe_fold_length,
+                 probe_fold_length=probe_fold_length, probe_decode_ncu=probe_decode_ncu,
                  probe_linear_decode=probe_linear_decode, probe_linear_mid=probe_linear_mid)
     bad = [k for k in args.only if k not in steps]
     if bad:

@@ -41,7 +41,7 @@ def test_the_kernels_run_the_contract_tiles():
     assert (attention._DELTA_ROWS, attention._DELTA_WARPS) == (tiles["attention"]["backward_delta_rows"],
                                                                tiles["attention"]["backward_delta_warps"])
     assert (moe._SOFTMAX_WARPS, moe._ACT_BWD_WARPS) == (tiles["moe"]["router_warps"], tiles["moe"]["act_backward_warps"])
-    assert gemm._MID_NARROW is tiles["gemm"]["mid_narrow"]
+    assert gemm._MID_NARROW is tiles["gemm"]["mid_narrow"] and gemm._PINNED is tiles["gemm"]["pinned"]
     assert norm._ELEMENTS == tiles["rms_norm_elements"] and logprobs._BLOCK == tiles["logprob_block"]
 
 

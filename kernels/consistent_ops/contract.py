@@ -59,8 +59,10 @@ TRITON_TILES = {
         # M <= 16 by N: lm_head-wide (thousands of programs), qkv-wide (N 4k..16k), narrower
         "tiny": {"wide": (16, 64, 128, 1, 4, 4, False), "mid": (16, 64, 256, 1, 4, 4, True),
                  "narrow": (16, 16, 256, 1, 2, 4, True)},
-        "narrow": {128: (64, 128, 128, 8, 4, 3, True), 64: (64, 64, 64, 1, 4, 6, True),
+        "narrow": {128: (64, 128, 128, 8, 4, 3, True), 64: (64, 64, 128, 1, 4, 4, True),
                    32: (64, 32, 128, 1, 4, 4, True), 16: (64, 16, 128, 1, 4, 6, True)},
+        # the one tile for every M under the CPU interpreter and on Ascend
+        "pinned": (64, 64, 64, 1, 4, 6, True),
         "mid_narrow": (64, 64, 128, 1, 4, 4, True), "mid_wide": (64, 128, 128, 8, 4, 3, True),
         "mid_tall": (128, 64, 64, 8, 4, 4, True),
         "large": (128, 128, 64, 8, 4, 4, True), "huge": (256, 128, 64, 8, 8, 3, True),

@@ -37,6 +37,9 @@ _TINY = _T["tiny"]              # M <= 16: mma 16-row tiles, no padded rows read
 # then averaged 9.5 us a launch against 8.9: kept as they are.
 _TINY_WIDE_N, _TINY_MID_N = 16384, 4096
 _NARROW = _T["narrow"]          # M <= 128: the widest BLOCK_N that still gives >= _MIN_PROGRAMS programs
+# H200 (probe_linear_mid, 2026-12-06): qkv M=64 (64, 64, 128, 1, 4, 4) 9.6 / 6.5 us cold / warm against
+# (64, 64, 64, 1, 4, 6) 10.0 / 7.4 (cuBLAS 8.7 / 6.2), the same bits: the 64-column entry since.
+_PINNED = _T["pinned"]
 # M <= 512: the narrowest that fits one wave. H200 (bench_triton --only probe_linear_mid, cold as in a
 # step, 2026-12-06): o_proj M 256 "mid_narrow" 14.2 us, "mid_wide" 19.7 (cuBLAS 10.8); the same bits.
 _MID_NARROW, _MID_WIDE, _MID_TALL = _T["mid_narrow"], _T["mid_wide"], _T["mid_tall"]
@@ -52,7 +55,7 @@ def _programs(m, n, cfg):
 
 def _config(m, n):
     if _INTERPRET or _ASCEND:   # one tile for all M: the CPU interpreter's numpy dots of other
-        return _NARROW[64]      # shapes round differently; Ascend's cube order across shapes is undocumented
+        return _PINNED          # shapes round differently; Ascend's cube order across shapes is undocumented
     if m <= 16:   # the decode tail: weight-streaming, so many short programs (probe_linear_decode)
         return _TINY["wide"] if n >= _TINY_WIDE_N else _TINY["mid"] if n >= _TINY_MID_N else _TINY["narrow"]
     # the lm_head from M 65 (H200, probe_linear lm_head, 2026-12-03, cuBLAS / ours at M 128 / 256 / 512):
