@@ -480,12 +480,12 @@ def probe_attention():
                                             dict(tile=(128, 8, 4)), dict(chunk=256)))
 
 
-def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192)),
-                       only=None, width=None):
-    """The decode tail's paged launch alone: graph-replayed us per call at B 1 / 4 and context 1k / 8k /
-    32k with vLLM's table width (40,960 tokens: 80 KV chunks of programs, most returning at once), and
-    at B=16 x 32k and B=64 x 8k, for other tiles, the page ids read in the loop and a shorter KV chunk;
-    bits against the default launch. only: these variants alone; width: the table's, for every case."""
+def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 8192), (4, 32768), (16, 32768),
+                              (64, 8192)), only=None, width=None):
+    """The decode tail's paged launch alone: graph-replayed us per call at B 1 / 2 / 4 and context 1k /
+    8k / 32k with vLLM's table width (40,960 tokens: 80 KV chunks of programs, most returning at once),
+    and at B=16 x 32k and B=64 x 8k, for the variants below; bits against the default launch. only:
+    these variants alone; width: the table's, for every case."""
     # Settled on the H100 (2026-12-04 to 06, RESULTS.md sessions 25-30) and dropped from the list:
     # stages 2 / 5 (timed before the held page ids), fold stages 2 / 6 / 8, a fold of 2 or 4 chunks an
     # iteration, int64 offsets, the forward's 64 rows, unsplit, chunks of 128 keys, the table's width,
