@@ -547,9 +547,9 @@ def _decode_launch(batch, ctx, width=None):
 
 def probe_decode_ncu(cases=((4, 32768), (64, 8192), (1, 1024)), variants=(("default", {}), ("one segment",
                      dict(fold_segment=0)))):
-    """One launch of each case and variant inside an NVTX range "ncu/B x ctx variant" (its warm-up
-    launch outside), for Nsight Compute to read where the walk's time goes (why B=4 x 32k streams
-    at ~3.3 TB/s where B=64 x 8k reaches 4.0 with the same chunk programs):
+    """One launch of each case and variant inside the NVTX range "ncu" (a range in it names the case;
+    its warm-up launch outside), for Nsight Compute to read where the walk's time goes (why B=4 x
+    32k streams at ~3.3 TB/s where B=64 x 8k reaches 4.0 with the same chunk programs):
       ncu --clock-control none --nvtx --nvtx-include "ncu/" --section SpeedOfLight --section Occupancy
           --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/bench_triton.py
           --only probe_decode_ncu"""
@@ -558,9 +558,11 @@ def probe_decode_ncu(cases=((4, 32768), (64, 8192), (1, 1024)), variants=(("defa
         for name, kw in variants:
             run(**kw)
             torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(f"ncu/B={batch} ctx={ctx} {name}")
+            torch.cuda.nvtx.range_push("ncu")
+            torch.cuda.nvtx.range_push(f"B={batch} ctx={ctx} {name}")
             run(**kw)
             torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
             torch.cuda.nvtx.range_pop()
             print(f"probe decode ncu: B={batch} ctx={ctx} {name}", flush=True)
 
