@@ -511,7 +511,7 @@ def _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, HQ, R: tl.const
     mine = Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     s0 = c // size
     go = _last_to_arrive(mine + s0 * per, tl.minimum(size, n - s0 * size) + (s0 > 0).to(tl.int32))
-    done = s0 < 0
+    done = s0 < 0                                      # False, as a tensor (a loop-carried value)
     acc, m, l = _fresh(R, D)
     for s in range(s0, last + 1):
         if go:
