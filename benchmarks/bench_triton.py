@@ -500,8 +500,10 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 
     # programs an SM, not 3; over the half fold, H100 2026-12-06: B=1 x 1k / 8k / 32k 13.0 / 18.5 /
     # 41.3 us against 12.6 / 18.0 / 41.9, B=4 x 8k 34.7 / 36.2, 4 x 32k 119.3 / 116.2: mixed, kept
     # for the H200).
-    # (A register cap, 3 or 4 programs an SM where the tile's 238 registers allow 2: within +-3 %, H200
-    # 2026-12-06, slower at B=1 x 1k; dropped.)
+    # (A register cap, maxnreg 168 / 128: within +-3 %, H200 2026-12-06, slower at B=1 x 1k; dropped. The
+    # split launch holds 128 / 138 registers (Triton 3.6 / 3.9, sm_90 compile with vLLM's strides
+    # divisible by 16) and 70 KB of shared memory: 3 programs an SM, which shared memory caps, so no
+    # register cap adds one; tests/test_triton_layouts.py.)
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),

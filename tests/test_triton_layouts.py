@@ -91,9 +91,14 @@ def float_reductions(ir):
     return [(op, layout) for ty, op, layout in reductions(ir) if ty.startswith(("f", "bf"))]
 
 
-def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(), hold=True,
-                    fold_half=None):
-    """The forward kernel's TTGIR for the H200 in one launch form (its cubin built too); divisible:
+def attention_ttgir(*args, **kw):
+    """The forward kernel's TTGIR for the H200 in one launch form (attention_compiled)."""
+    return attention_compiled(*args, **kw).asm["ttgir"]
+
+
+def attention_compiled(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(),
+                       hold=True, fold_half=None):
+    """The forward kernel compiled for the H200 in one launch form (TTGIR to cubin); divisible:
     the integer arguments the launcher would mark divisible by 16 (none unless named)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
     from consistent_ops.triton import attention as ta
@@ -102,10 +107,10 @@ def attention_ttgir(paged, split, rows, warps, stages, fold_stages=None, off32=T
                  FOLD_STAGES=fold_stages or ta._FOLD_STAGES,
                  FOLD_HALF=ta._FOLD_HALF if fold_half is None else fold_half, OFF32=paged and off32, HOLD=hold,
                  SEG=ta._FOLD_SEGMENT, LAST_FIRST=False)
-    asm = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
-                       num_stages=stages).asm
-    assert asm["cubin"]
-    return asm["ttgir"]
+    kernel = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
+                          num_stages=stages)
+    assert kernel.asm["cubin"]
+    return kernel
 
 
 def attention_row_reductions(paged, split, rows, warps, stages):
@@ -221,6 +226,31 @@ def test_the_split_walk_prefetches_key_blocks_ahead(page, hold, ahead):
     num = walk_wait(attention_ttgir(True, True, *TRITON_TILES["attention"]["decode"], page=page,
                                     divisible=DECODE_STRIDES, hold=hold))
     assert (num > 0) == ahead, num
+
+
+def programs_an_sm(kernel, warps, tmp_path):
+    """How many programs of a compiled kernel one Hopper SM holds: registers (64K a SM, allocated 256
+    a warp; the count read from the cubin by the cuobjdump that Triton ships) and shared memory (228 KB
+    a SM; the cubin's static part and Triton's dynamic part)."""
+    import subprocess
+    path = tmp_path / "k.cubin"
+    path.write_bytes(kernel.asm["cubin"])
+    tool = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
+    usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    regs, static = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "SHARED"))
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), (228 << 10) // (static + kernel.metadata.shared))
+
+
+def test_the_split_decode_launch_holds_three_programs_an_sm(tmp_path):
+    """The decode tail's split launch (vLLM's strides) fits 3 programs an SM (70 KB of shared memory:
+    two stages of K/V blocks, q and p; Triton 3.9: 138 registers), the count the segmented fold's waves
+    are reckoned in; the companion: a third K/V stage (the probe's `stages 4`) leaves room for 2."""
+    from consistent_ops.contract import TRITON_TILES
+    rows, warps, stages = TRITON_TILES["attention"]["decode"]
+    for stages, held in ((stages, 3), (stages + 1, 2)):
+        kernel = attention_compiled(True, True, rows, warps, stages, divisible=DECODE_STRIDES)
+        assert programs_an_sm(kernel, warps, tmp_path) == held, stages
 
 
 LOGPROB_TYPES = {"Z": "*fp32", "Temp": "*fp32", "Mx": "*fp32", "Acc": "*fp32", "Out": "*fp32"}

@@ -111,11 +111,11 @@ _FOLD_STAGES = 4
 # 51.3 -> 41.8 us; 8 warps on the half 45.7); in vLLM's 48-layer step B=1 x 32k 6.995 -> 6.479 ms.
 _FOLD_HALF = True
 # The split fold in segments of _FOLD_SEGMENT chunks (_fold_arrivals) where a launch's chunk programs
-# outnumber _SEGMENT_PROGRAMS times the split threshold (2 waves: B=4 x 32k's 1,024 programs are ~4
-# waves of 2 an SM): a segment folds while later chunks walk, so the fold left after the last chunk
-# is a segment's (16 steps) where it was the tile's (64 at 32k: ~6 us, ~0.1 us a step, of the H200's
-# 93 us launch at B=4 x 32k); in one wave (B=1 x 32k) the chunks arrive together and segments would
-# only add their stores. The same bits either way.
+# outnumber _SEGMENT_PROGRAMS times the split threshold (B=4 x 32k's 1,024 programs: 2.6 waves of 3 an
+# SM, which the decode tile's 70 KB of shared memory allow): a segment folds while later chunks walk,
+# so the fold left after the last chunk is a segment's (16 steps) where it was the tile's (64 at 32k:
+# ~6 us, ~0.1 us a step, of the H200's 93 us launch at B=4 x 32k); in one wave (B=1 x 32k) the chunks
+# arrive together and segments would only add their stores. The same bits either way.
 _FOLD_SEGMENT, _SEGMENT_PROGRAMS = 16, 2
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head, fold segment)
