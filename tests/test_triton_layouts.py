@@ -236,7 +236,8 @@ def programs_an_sm(kernel, warps, tmp_path):
     path = tmp_path / "k.cubin"
     path.write_bytes(kernel.asm["cubin"])
     tool = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
-    usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([tool, "-res-usage", str(path)], capture_output=True, text=True, check=True,
+                           timeout=60).stdout
     regs, static = (int(re.search(rf"{k}:(\d+)", usage).group(1)) for k in ("REG", "SHARED"))
     per_warp = -(-regs * 32 // 256) * 256
     return min(65536 // (per_warp * warps), (228 << 10) // (static + kernel.metadata.shared))
@@ -248,9 +249,9 @@ def test_the_split_decode_launch_holds_three_programs_an_sm(tmp_path):
     are reckoned in; the companion: a third K/V stage (the probe's `stages 4`) leaves room for 2."""
     from consistent_ops.contract import TRITON_TILES
     rows, warps, stages = TRITON_TILES["attention"]["decode"]
-    for stages, held in ((stages, 3), (stages + 1, 2)):
-        kernel = attention_compiled(True, True, rows, warps, stages, divisible=DECODE_STRIDES)
-        assert programs_an_sm(kernel, warps, tmp_path) == held, stages
+    for n, held in ((stages, 3), (stages + 1, 2)):
+        kernel = attention_compiled(True, True, rows, warps, n, divisible=DECODE_STRIDES)
+        assert programs_an_sm(kernel, warps, tmp_path) == held, n
 
 
 LOGPROB_TYPES = {"Z": "*fp32", "Temp": "*fp32", "Mx": "*fp32", "Acc": "*fp32", "Out": "*fp32"}
