@@ -4,6 +4,7 @@ read from the installed Triton's output for the H200 (sm_90), compiled on the CP
 and the same output shows which reads the software pipeline makes async copies (the decode tail's
 fold, the log-softmax's vocabulary walks) and how wide they are."""
 import re
+import subprocess
 
 import pytest
 
@@ -232,7 +233,6 @@ def programs_an_sm(kernel, warps, tmp_path):
     """How many programs of a compiled kernel one Hopper SM holds: registers (64K a SM, allocated 256
     a warp; the count read from the cubin by the cuobjdump that Triton ships) and shared memory (228 KB
     a SM; the cubin's static part and Triton's dynamic part)."""
-    import subprocess
     path = tmp_path / "k.cubin"
     path.write_bytes(kernel.asm["cubin"])
     tool = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
