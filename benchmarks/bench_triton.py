@@ -504,13 +504,16 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 
     # split launch holds 128 / 138 registers (Triton 3.6 / 3.9, sm_90 compile with vLLM's strides
     # divisible by 16) and 70 KB of shared memory: 3 programs an SM, which shared memory caps, so no
     # register cap adds one; tests/test_triton_layouts.py.)
+    # "seq reads": a tile's sequence offsets and length read again at its index once the lanes found it
+    # (before 2026-12-07; the default picks them from the lanes, the lengths read beside the offsets:
+    # one dependent read fewer before the first K/V copy).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
                 "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
-                "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256)}
+                "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "seq reads": dict(lanes=False)}
     variants = {k: v for k, v in variants.items() if only is None or k in only}
-    cold, cold_variants = Cold(), ("default", "one segment", "stages 4")
+    cold, cold_variants = Cold(), ("default", "one segment", "stages 4", "seq reads")
     for batch, ctx in cases:
         run, cols = _decode_launch(batch, ctx, width)
         base = run()

@@ -255,6 +255,16 @@ def test_split_walk_with_its_table_reads_in_the_loop_gives_the_same_bits(monkeyp
     assert torch.equal(ta._forward(*args, split=True, hold=False), ta._forward(*args, split=True))
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_tile_setup_from_the_lanes_or_reread_gives_the_same_bits(split):
+    """The probes' `lanes=False` (a tile's sequence offsets and length read again at its index, as
+    before 2026-12-07) finds the same rows and keys as the default's picks from the lanes: the same
+    bits, the padding request's lanes included."""
+    from consistent_ops.triton import attention as ta
+    args = _decode_tail(BF16)
+    assert torch.equal(ta._forward(*args, split=split, lanes=False), ta._forward(*args, split=split))
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("chunk", [64, 128, 256])
 def test_split_launch_equals_unsplit_launch_after_launch(dtype, chunk, monkeypatch):

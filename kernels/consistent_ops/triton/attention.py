@@ -333,10 +333,17 @@ def _tile_rows(tile, n_new, ROWS: tl.constexpr, G: tl.constexpr, TPT: tl.constex
 
 @triton.jit
 def _seq_lens(Starts, S, SB: tl.constexpr):
-    """Lanes 0 .. SB-1 and the token counts of sequences 0 .. S-1 (0 past S)."""
+    """Lanes 0 .. SB-1, and the first token rows and token counts of sequences 0 .. S-1 (0 past S)."""
     i = tl.arange(0, SB)
     inb = i < S
-    return i, tl.load(Starts + i + 1, mask=inb, other=0) - tl.load(Starts + i, mask=inb, other=0)
+    first = tl.load(Starts + i, mask=inb, other=0)
+    return i, first, tl.load(Starts + i + 1, mask=inb, other=0) - first
+
+
+@triton.jit
+def _lane(x, i, seq):
+    """x[seq] of the lanes i, from registers."""
+    return tl.sum(tl.where(i == seq, x, 0), 0)
 
 
 @triton.jit
@@ -355,20 +362,25 @@ def _flat_tile(p, Starts, S, UNIT: tl.constexpr, SB: tl.constexpr):
     (min(T, cdiv(T, UNIT) + S) bounds the tiles of any batch of T tokens in S sequences), so a
     mixed batch launches no program per (sequence, longest query) pair, and nothing is
     read back on the host; seq >= S: p is past the last tile. SB: a power of two >= S."""
-    i, lens = _seq_lens(Starts, S, SB)
+    i, _, lens = _seq_lens(Starts, S, SB)
     return _flat_index(p, i, (lens + UNIT - 1) // UNIT)
 
 
 @triton.jit
-def _tile_setup(seq, tile, QStart, SeqLen, G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr,
-                PAGED: tl.constexpr):
+def _tile_setup(seq, tile, i, firsts, lens, kv_lens, QStart, SeqLen, G: tl.constexpr, TPT: tl.constexpr,
+                ROWS: tl.constexpr, PAGED: tl.constexpr, LANES: tl.constexpr):
     """A tile's rows: first token row q0, rows' token and query head within the KV group,
     which rows are real, their positions, the tile's first and last position and seq_len.
-    Padding rows get a real prefix and are never stored."""
-    q0 = tl.load(QStart + seq)
-    n_new = tl.load(QStart + seq + 1) - q0
-    if PAGED:
-        seq_len = tl.load(SeqLen + seq)              # includes this step's tokens
+    Padding rows get a real prefix and are never stored. LANES: the sequence's first row, token
+    count and seq_len are picked from lanes i of every sequence's (firsts, lens, kv_lens, read with
+    the lanes that found seq), else read at seq: the same values."""
+    if LANES:
+        q0, n_new = _lane(firsts, i, seq), _lane(lens, i, seq)
+    else:
+        q0 = tl.load(QStart + seq)
+        n_new = tl.load(QStart + seq + 1) - q0
+    if PAGED:                                        # includes this step's tokens
+        seq_len = _lane(kv_lens, i, seq) if LANES else tl.load(SeqLen + seq)
     else:                                            # packed sequences: no cached tokens
         seq_len = n_new
     ctx = seq_len - n_new                            # tokens cached before this step
@@ -387,15 +399,19 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
                      FOLD_STAGES: tl.constexpr, FOLD_HALF: tl.constexpr, OFF32: tl.constexpr,
-                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr):
-    # 1. which tile: latest tiles (longest walks) launch first for causal load balance
-    seq, tile = _flat_tile(tl.num_programs(0) - 1 - tl.program_id(0), QStart, S, TPT, SB)
+                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr, LANES: tl.constexpr):
+    # 1. which tile: latest tiles (longest walks) launch first for causal load balance; the
+    # sequences' lengths read beside their offsets (LANES), so the tile's setup waits on no load
+    i, firsts, lens = _seq_lens(QStart, S, SB)
+    kv_lens = tl.load(SeqLen + i, mask=i < S, other=0) if (LANES and PAGED) else lens
+    seq, tile = _flat_index(tl.num_programs(0) - 1 - tl.program_id(0), i, (lens + TPT - 1) // TPT)
     if seq >= S:
         return
     kvh = tl.program_id(1)
     # 2. rows and their positions
-    q0, qrow, hg, valid, qpos, first_pos, last_pos, seq_len = _tile_setup(seq, tile, QStart, SeqLen, G, TPT,
-                                                                          ROWS, PAGED)
+    q0, qrow, hg, valid, qpos, first_pos, last_pos, seq_len = _tile_setup(seq, tile, i, firsts, lens, kv_lens,
+                                                                          QStart, SeqLen, G, TPT, ROWS, PAGED,
+                                                                          LANES)
     c = tl.program_id(2)                             # SPLIT: this program's KV chunk (else 0)
     if LAST_FIRST:                                   # (tests: the chunks arrive last first)
         c = tl.num_programs(2) - 1 - c
@@ -665,7 +681,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     its earlier window stored (same order, same bits). _sum_parts_kernel adds a block's
     chunks in ascending order. Chunks split the long walks of early key blocks into more
     programs (few long sequences still fill the GPU)."""
-    i, lens = _seq_lens(Cu, S, SB)
+    i, _, lens = _seq_lens(Cu, S, SB)
     seen = tl.where((lens + TPT - 1) // TPT > u0, (tl.minimum(lens, u1 * TPT) + BLOCK_N - 1) // BLOCK_N, 0)
     seq, blk = _flat_index(tl.program_id(0), i, seen)
     if seq >= S:
@@ -724,7 +740,7 @@ def _bwd_dq_kernel(DS, K, DQ, Cu, S, u0, u1, stride_t, stride_kt, ds_blocks, sca
                    BLOCK_N: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr):
     """dQ of one query tile u0 <= t < u1 (the window): its dS blocks (written by the dK/dV
     kernel) times K, key blocks walked from 0 in order into one fp32 accumulator."""
-    i, lens = _seq_lens(Cu, S, SB)
+    i, _, lens = _seq_lens(Cu, S, SB)
     tiles = tl.maximum(tl.minimum((lens + TPT - 1) // TPT, u1) - u0, 0)
     seq, w_t = _flat_index(tl.num_programs(0) - 1 - tl.program_id(0), i, tiles)   # long walks first
     if seq >= S:
@@ -828,7 +844,7 @@ def _fits_int32(*caches):
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
              chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True, fold_segment=None,
-             last_first=False):
+             last_first=False, lanes=True):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
@@ -838,7 +854,9 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits); hold:
     the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits);
     fold_segment: chunks a segment of the split fold (0: one segment; probes and tests: the same
-    bits); last_first: chunk programs numbered from the last chunk (tests: the same bits)."""
+    bits); last_first: chunk programs numbered from the last chunk (tests: the same bits); lanes: a
+    tile's sequence offsets and lengths picked from the lanes read to find it, or read again at its
+    index (probes: the same bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -889,7 +907,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
         OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
-        SEG=fold_segment if split else 0, LAST_FIRST=last_first, num_warps=warps, num_stages=stages, **EXACT)
+        SEG=fold_segment if split else 0, LAST_FIRST=last_first, LANES=lanes, num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
