@@ -9,6 +9,8 @@ rollout's log-softmax vs torch's, grouped MoE experts vs torch._grouped_mm, 4-la
 
     PYTHONPATH=kernels:recipe:tests/gpu python benchmarks/bench_triton.py [--json FILE]
     ... --only probe      # tile probes: every GEMM / MoE tile entry, its time and its bits
+    ... --only probe_decode_split --cases 4x32768,1x1024 --variants "default,seq reads"
+                          # the decode probes (probe_decode_split, probe_decode_ncu) narrowed
 """
 import argparse
 import datetime
@@ -22,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench, do_bench_cudagraph
 
 import consistent_ops as co
+from bench_vllm_gpu import _parse_cases
 from consistent_ops.triton import moe as tmoe
 
 DEV, BF16 = "cuda", torch.bfloat16
@@ -480,8 +483,13 @@ def probe_attention():
                                             dict(tile=(128, 8, 4)), dict(chunk=256)))
 
 
-def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 8192), (4, 32768), (16, 32768),
-                              (64, 8192)), only=None, width=None):
+DECODE_VARIANTS = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
+                   "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
+                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "seq reads": dict(lanes=False)}
+DECODE_CASES = ((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192))
+
+
+def probe_decode_split(cases=DECODE_CASES, only=None, width=None):
     """The decode tail's paged launch alone: graph-replayed us per call at B 1 / 2 / 4 and context 1k /
     8k / 32k with vLLM's table width (40,960 tokens: 80 KV chunks of programs, most returning at once),
     and at B=16 x 32k and B=64 x 8k, for the variants below; bits against the default launch. only:
@@ -509,10 +517,7 @@ def probe_decode_split(cases=((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 
     # one dependent read fewer before the first K/V copy).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
-    variants = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
-                "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
-                "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "seq reads": dict(lanes=False)}
-    variants = {k: v for k, v in variants.items() if only is None or k in only}
+    variants = {k: v for k, v in DECODE_VARIANTS.items() if only is None or k in only}
     cold, cold_variants = Cold(), ("default", "one segment", "stages 4", "seq reads")
     for batch, ctx in cases:
         run, cols = _decode_launch(batch, ctx, width)
@@ -550,17 +555,18 @@ def _decode_launch(batch, ctx, width=None):
     return (lambda **kw: ta._forward(q, kv.k[0], kv.v[0], qsl, seq_lens, table, D ** -0.5, True, **kw)), cols
 
 
-def probe_decode_ncu(cases=((4, 32768), (64, 8192), (1, 1024)), variants=(("default", {}), ("one segment",
-                     dict(fold_segment=0)))):
-    """One launch of each case and variant inside the NVTX range "ncu" (a range in it names the case;
-    its warm-up launch outside), for Nsight Compute to read where the walk's time goes (why B=4 x
-    32k streams at ~3.3 TB/s where B=64 x 8k reaches 4.0 with the same chunk programs):
+def probe_decode_ncu(cases=((4, 32768), (64, 8192), (1, 1024)), only=("default", "one segment")):
+    """One launch of each case and variant (only: DECODE_VARIANTS named) inside the NVTX range "ncu"
+    (a range in it names the case; its warm-up launch outside), for Nsight Compute to read where the
+    walk's time goes (why B=4 x 32k streams at ~3.3 TB/s where B=64 x 8k reaches 4.0 with the same
+    chunk programs):
       ncu --clock-control none --nvtx --nvtx-include "ncu/" --section SpeedOfLight --section Occupancy
           --section WarpStateStats --section MemoryWorkloadAnalysis python3 benchmarks/bench_triton.py
           --only probe_decode_ncu"""
     for batch, ctx in cases:
         run, _ = _decode_launch(batch, ctx)
-        for name, kw in variants:
+        for name in only:
+            kw = DECODE_VARIANTS[name]
             run(**kw)
             torch.cuda.synchronize()
             torch.cuda.nvtx.range_push("ncu")
@@ -743,15 +749,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--only", nargs="*", default=["attention", "decode", "linear", "logprobs", "moe", "actor"])
+    ap.add_argument("--cases", help="the decode probes' B x context cases only, e.g. 4x32768,1x1024")
+    ap.add_argument("--variants", help=f"the decode probes' variants only, comma-separated, of: {', '.join(DECODE_VARIANTS)}")
     args = ap.parse_args()
+    cases = _parse_cases(args.cases) if args.cases else None
+    if args.cases and not cases:
+        ap.error(f"--cases {args.cases!r}: expected B x context pairs such as 4x32768,1x1024")
+    only = args.variants.split(",") if args.variants else None
+    bad = [v for v in only or () if v not in DECODE_VARIANTS]
+    if bad:
+        ap.error(f"--variants {args.variants!r}: {bad[0]!r} is not a variant; choose from {', '.join(DECODE_VARIANTS)}")
+    decode_probe = {k: v for k, v in dict(cases=cases, only=only).items() if v}
     bw = 0      # the copy ceiling, measured below where a section reads it
     steps = dict(attention=attention_fwd_bwd, decode=lambda: paged_decode(bw), linear=linear, logprobs=logprobs,
                  moe=moe,
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
-                 probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=probe_decode_split,
-                 probe_fold_length=probe_fold_length, probe_decode_ncu=probe_decode_ncu,
+                 probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=lambda: probe_decode_split(**decode_probe),
+                 probe_fold_length=probe_fold_length, probe_decode_ncu=lambda: probe_decode_ncu(**decode_probe),
                  probe_linear_decode=probe_linear_decode, probe_linear_mid=probe_linear_mid)
     bad = [k for k in args.only if k not in steps]
     if bad:
