@@ -509,7 +509,7 @@ def probe_decode_split(cases=DECODE_CASES, only=None, width=None):
     # 41.3 us against 12.6 / 18.0 / 41.9, B=4 x 8k 34.7 / 36.2, 4 x 32k 119.3 / 116.2: mixed, kept
     # for the H200).
     # (A register cap, maxnreg 168 / 128: within +-3 %, H200 2026-12-06, slower at B=1 x 1k; dropped. The
-    # split launch holds 128 / 138 registers (Triton 3.6 / 3.9, sm_90 compile with vLLM's strides
+    # split launch holds 128 / 121 registers (Triton 3.6 / 3.9; 3.9: 138 before the lanes, sm_90 compile with vLLM's strides
     # divisible by 16) and 70 KB of shared memory: 3 programs an SM, which shared memory caps, so no
     # register cap adds one; tests/test_triton_layouts.py.)
     # "seq reads": a tile's sequence offsets and length read again at its index once the lanes found it
