@@ -509,9 +509,9 @@ def probe_decode_split(cases=DECODE_CASES, only=None, width=None):
     # 41.3 us against 12.6 / 18.0 / 41.9, B=4 x 8k 34.7 / 36.2, 4 x 32k 119.3 / 116.2: mixed, kept
     # for the H200).
     # (A register cap, maxnreg 168 / 128: within +-3 %, H200 2026-12-06, slower at B=1 x 1k; dropped. The
-    # split launch holds 128 / 121 registers (Triton 3.6 / 3.9; 3.9: 138 before the lanes, sm_90 compile with vLLM's strides
-    # divisible by 16) and 70 KB of shared memory: 3 programs an SM, which shared memory caps, so no
-    # register cap adds one; tests/test_triton_layouts.py.)
+    # split launch holds 128 / 121 registers (Triton 3.6 / 3.9, 138 on 3.9 before the lanes; sm_90
+    # compile with vLLM's strides divisible by 16) and 70 KB of shared memory: 3 programs an SM, which
+    # shared memory caps, so no register cap adds one; tests/test_triton_layouts.py.)
     # "seq reads": a tile's sequence offsets and length read again at its index once the lanes found it
     # (before 2026-12-07; the default picks them from the lanes, the lengths read beside the offsets:
     # one dependent read fewer before the first K/V copy).
@@ -750,7 +750,8 @@ def main():
     ap.add_argument("--json", help="write all rows here")
     ap.add_argument("--only", nargs="*", default=["attention", "decode", "linear", "logprobs", "moe", "actor"])
     ap.add_argument("--cases", help="the decode probes' B x context cases only, e.g. 4x32768,1x1024")
-    ap.add_argument("--variants", help=f"the decode probes' variants only, comma-separated, of: {', '.join(DECODE_VARIANTS)}")
+    ap.add_argument("--variants", help="the decode probes' variants only, comma-separated, of: "
+                                       + ", ".join(DECODE_VARIANTS))
     args = ap.parse_args()
     cases = _parse_cases(args.cases) if args.cases else None
     if args.cases and not cases:
@@ -766,7 +767,8 @@ def main():
                  actor=actor_step, probe=lambda: (probe_linear(), probe_moe()), probe_moe=probe_moe,
                  actor_profile=actor_profile, probe_attention=probe_attention,
                  probe_attention_bwd=probe_attention_bwd, probe_attention_kernels=probe_attention_kernels,
-                 probe_host=probe_host, probe_linear=probe_linear, probe_decode_split=lambda: probe_decode_split(**decode_probe),
+                 probe_host=probe_host, probe_linear=probe_linear,
+                 probe_decode_split=lambda: probe_decode_split(**decode_probe),
                  probe_fold_length=probe_fold_length, probe_decode_ncu=lambda: probe_decode_ncu(**decode_probe),
                  probe_linear_decode=probe_linear_decode, probe_linear_mid=probe_linear_mid)
     bad = [k for k in args.only if k not in steps]

@@ -42,7 +42,8 @@ def test_bench_triton_names_an_unknown_section_before_the_device():
                                          "chunk 256, seq reads"),
 ])
 def test_bench_triton_names_a_bad_decode_case_or_variant_before_the_device(args, error):
-    assert _run("benchmarks/bench_triton.py", "--only", "probe_decode_split", *args) == (2, f"bench_triton.py: error: {error}")
+    assert _run("benchmarks/bench_triton.py", "--only", "probe_decode_split", *args) == (
+        2, f"bench_triton.py: error: {error}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a process without CUDA")

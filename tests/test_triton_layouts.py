@@ -245,8 +245,8 @@ def programs_an_sm(kernel, warps, tmp_path):
 
 def test_the_split_decode_launch_holds_three_programs_an_sm(tmp_path):
     """The decode tail's split launch (vLLM's strides) fits 3 programs an SM (70 KB of shared memory:
-    two stages of K/V blocks, q and p; Triton 3.6 / 3.9: 128 / 121 registers), the count the segmented fold's waves
-    are reckoned in; the companion: a third K/V stage (the probe's `stages 4`) leaves room for 2."""
+    two stages of K/V blocks, q and p; Triton 3.6 / 3.9: 128 / 121 registers), the count the segmented
+    fold's waves are reckoned in; the companion: a third K/V stage (the probe's `stages 4`) leaves room for 2."""
     from consistent_ops.contract import TRITON_TILES
     rows, warps, stages = TRITON_TILES["attention"]["decode"]
     for n, held in ((stages, 3), (stages + 1, 2)):
