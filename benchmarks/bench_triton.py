@@ -485,7 +485,8 @@ def probe_attention():
 
 DECODE_VARIANTS = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
                    "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
-                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "seq reads": dict(lanes=False)}
+                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "seq reads": dict(lanes=False),
+                   "programs of 2": dict(chunks_per_program=2), "programs of 4": dict(chunks_per_program=4)}
 DECODE_CASES = ((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192))
 
 
@@ -515,10 +516,12 @@ def probe_decode_split(cases=DECODE_CASES, only=None, width=None):
     # "seq reads": a tile's sequence offsets and length read again at its index once the lanes found it
     # (before 2026-12-07; the default picks them from the lanes, the lengths read beside the offsets:
     # one dependent read fewer before the first K/V copy).
+    # "programs of 2" / "of 4": a split program walks 2 / 4 KV chunks in one loop (_CHUNKS_PER_PROGRAM),
+    # fewer and longer programs, as FlashAttention-3's split heuristic makes them (RESULTS.md session 36).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {k: v for k, v in DECODE_VARIANTS.items() if only is None or k in only}
-    cold, cold_variants = Cold(), ("default", "one segment", "stages 4", "seq reads")
+    cold, cold_variants = Cold(), ("default", "one segment", "stages 4", "seq reads", "programs of 4")
     for batch, ctx in cases:
         run, cols = _decode_launch(batch, ctx, width)
         base = run()

@@ -317,6 +317,33 @@ def test_split_fold_in_segments_gives_the_same_bits(segment, last_first, monkeyp
         assert torch.equal(got, want) and _counters_idle()
 
 
+@pytest.mark.parametrize("chunk, per, segment", [(64, 2, None), (64, 4, None), (64, 2, 2), (64, 2, 4),
+                                                 (128, 2, None)])
+@pytest.mark.parametrize("last_first", [False, True], ids=["in-order", "last-first"])
+def test_split_programs_of_several_chunks_give_the_same_bits(chunk, per, segment, last_first, monkeypatch):
+    """A split program that walks 2 or 4 KV chunks in one loop (each chunk's state stored at its end
+    and restarted; the page ids of all its chunks held) == the unsplit launch, bit for bit, whole and
+    half fold, in one segment and in segments of 2 or 4 chunks (a program's chunks in one segment, the
+    arrivals counted a program), chunks of 1 and 2 key blocks: with 64-key chunks, the decode at 200
+    keys (4 chunks), the prefill chunk ending at 130 (3: a program's last chunk past the tile), the
+    tile of one chunk."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "KV_CHUNK", chunk)
+    args = _decode_tail(torch.float32)
+    want = ta._forward(*args, split=False)
+    for half in (False, True):
+        got = ta._forward(*args, split=True, fold_segment=segment, last_first=last_first, fold_half=half,
+                          chunks_per_program=per)
+        assert torch.equal(got, want) and _counters_idle()
+
+
+@pytest.mark.parametrize("per, segment", [(3, None), (2, 3), (0, None)])
+def test_split_programs_refuse_chunk_counts_that_do_not_tile_the_segments(per, segment):
+    from consistent_ops.triton import attention as ta
+    with pytest.raises(ValueError, match=f"chunks_per_program={per}: a power of two that divides fold_segment"):
+        ta._forward(*_decode_tail(BF16), split=True, fold_segment=segment, chunks_per_program=per)
+
+
 @triton.jit
 def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, first, end, D: tl.constexpr, STAGES: tl.constexpr):
     """_fold_states with the slots in reverse order (the mutation the companion below runs)."""
