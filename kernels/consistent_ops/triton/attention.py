@@ -246,16 +246,16 @@ def _fresh(ROWS: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V, stride_k, stride_v, Table,
-          stride_tab, tab_cols, pages, qk_scale, col, held, col0, WAcc, WML, qrow, head, valid, T, HQ, chunks, j0,
-          ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr,
-          PAGED: tl.constexpr, TMA: tl.constexpr, OFF32: tl.constexpr, MASK: tl.constexpr, FOLD: tl.constexpr,
-          HOLD: tl.constexpr, STORE: tl.constexpr):
+          stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS: tl.constexpr, D: tl.constexpr,
+          KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
+          OFF32: tl.constexpr, MASK: tl.constexpr, FOLD: tl.constexpr, HOLD: tl.constexpr,
+          STORE: tl.constexpr = False, WAcc=0, WML=0, qrow=0, head=0, valid=0, T=0, HQ=0, chunks=0, j0=0):
     """Key blocks j_lo .. j_hi - 1 of the contract's walk, in ONE loop (a loop a chunk would restart
     the software pipeline every CHUNK // KV blocks). FOLD: at the first block of every chunk but
     chunk 0, the state (acc, m, l) of the chunk before is folded into (facc, fm, fl) and restarts;
     STORE: at the first block of every chunk after block j0, the state of the chunk before is stored
-    (_chunk_store: WAcc .. chunks) and restarts; else the blocks lie in one chunk and (facc, fm, fl)
-    pass through. HOLD: the blocks' page ids are held (_held_pages: held, col0)."""
+    (_chunk_store: WAcc .. chunks, given only then) and restarts; else the blocks lie in one chunk and
+    (facc, fm, fl) pass through. HOLD: the blocks' page ids are held (_held_pages: held, col0)."""
     offs = tl.arange(0, KV)
     for j in range(j_lo, j_hi):
         if FOLD:
@@ -294,13 +294,13 @@ def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride
     else:
         held, col0 = 0, 0
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, j0, tl.minimum(j1, n_full), q, qpos, seq, seq_len, row0, K, V,
-                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, WAcc,
-                               WML, qrow, head, valid, T, HQ, chunks, j0, ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32,
-                               False, False, HOLD, CPP > 1)
+                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS,
+                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, False, False, HOLD, STORE=CPP > 1, WAcc=WAcc,
+                               WML=WML, qrow=qrow, head=head, valid=valid, T=T, HQ=HQ, chunks=chunks, j0=j0)
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, tl.maximum(j0, n_full), j1, q, qpos, seq, seq_len, row0, K, V,
-                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, WAcc,
-                               WML, qrow, head, valid, T, HQ, chunks, j0, ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32,
-                               True, False, HOLD, CPP > 1)
+                               stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS,
+                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, False, HOLD, STORE=CPP > 1, WAcc=WAcc,
+                               WML=WML, qrow=qrow, head=head, valid=valid, T=T, HQ=HQ, chunks=chunks, j0=j0)
     if CPP > 1:
         c = (j1 - 1) // (CHUNK // KV)
     return c, acc, m, l
@@ -333,12 +333,11 @@ def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_
     facc, fm, fl = _fresh(ROWS, D)
     acc, m, l = _fresh(ROWS, D)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, 0, n_full, q, qpos, seq, seq_len, row0, K, V, stride_k,
-                                    stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, 0, 0, 0, 0, 0,
-                                    0, 0, 0, 0, ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, False, True, False, False)
+                                    stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS, D, KV,
+                                    CHUNK, PAGE, PAGED, TMA, OFF32, False, True, False)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, n_full, n_blocks, q, qpos, seq, seq_len, row0, K, V,
-                                    stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, 0, 0,
-                                    0, 0, 0, 0, 0, 0, 0, ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, True, False,
-                                    False)
+                                    stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS,
+                                    D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, True, False)
     return _fold(facc, fm, fl, acc, m, l)
 
 
@@ -912,8 +911,10 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         and v.is_contiguous() and gemm.tma_ready(k.flatten(1), v.flatten(1))
     ka, va = ((gemm.descriptor(c.flatten(1), [KV_BLOCK, d]) for c in (k, v)) if tma else (k, v))
     # the chunks a sequence of the table's capacity has (shapes only), in programs of cpp
-    per = _CHUNKS_PER_PROGRAM if chunks_per_program is None else chunks_per_program
-    cpp = max(per, 1)
+    cpp = _CHUNKS_PER_PROGRAM if chunks_per_program is None else chunks_per_program
+    segment = _FOLD_SEGMENT if fold_segment is None else fold_segment   # the default's is 0 or this
+    if cpp < 1 or cpp & (cpp - 1) or segment % cpp:
+        raise ValueError(f"chunks_per_program={cpp}: a power of two that divides fold_segment ({segment})")
     chunks = triton.cdiv(table.shape[1] * page, chunk * cpp) * cpp if paged else 1
     if split is None:
         split = paged and bound * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
@@ -922,8 +923,6 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     if fold_segment is None:   # segments where the chunk programs span waves (shapes only)
         fold_segment = _FOLD_SEGMENT if programs * hkv * chunks // cpp > _SEGMENT_PROGRAMS * _split_programs(q.device) \
             else 0
-    if cpp != per or cpp & (cpp - 1) or fold_segment % cpp:
-        raise ValueError(f"chunks_per_program={per}: a power of two that divides fold_segment ({fold_segment})")
     segments = triton.cdiv(chunks, fold_segment) if fold_segment else 1
     count = _counters(q.device, programs * hkv * segments) if split else o
     split = split and count is not None
