@@ -359,17 +359,19 @@ def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, first, end, D: t
 
 
 @pytest.mark.parametrize("segment", [None, 2], ids=["one-segment", "segments-of-2"])
-def test_split_fold_order_reaches_the_bits(segment, monkeypatch):
+@pytest.mark.parametrize("per", [1, 2], ids=["chunk-programs", "programs-of-2"])
+def test_split_fold_order_reaches_the_bits(segment, per, monkeypatch):
     """Companion: the split launch folding its chunk states in reverse order gives other bits on
     every row that sees 3 or 4 chunks (the equality above would catch a wrong order); rows of 1
     or 2 chunks keep theirs (one fold of two states is commutative). In segments of 2, each
-    segment's slots reversed: the decode at 200 keys still differs (its second segment folds 3)."""
+    segment's slots reversed: the decode at 200 keys still differs (its second segment folds 3).
+    The same with programs of 2 chunks (their equality above)."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "KV_CHUNK", 64)
     args = _decode_tail(torch.float32)
     want = ta._forward(*args, split=False)
     monkeypatch.setattr(ta, "_fold_states", _fold_reversed)
-    got = ta._forward(*args, split=True, fold_segment=segment)
+    got = ta._forward(*args, split=True, fold_segment=segment, chunks_per_program=per)
     differ = [r for r in range(len(got)) if not torch.equal(got[r], want[r])]
     # the decode at 200 keys; whole: the prefill rows at 128, 129 too
     assert differ == ([0, 20, 21] if segment is None else [0]) and _counters_idle()
