@@ -9,7 +9,7 @@ rollout's log-softmax vs torch's, grouped MoE experts vs torch._grouped_mm, 4-la
 
     PYTHONPATH=kernels:recipe:tests/gpu python benchmarks/bench_triton.py [--json FILE]
     ... --only probe      # tile probes: every GEMM / MoE tile entry, its time and its bits
-    ... --only probe_decode_split --cases 4x32768,1x1024 --variants "default,seq reads"
+    ... --only probe_decode_split --cases 4x32768,1x1024 --variants "default,one segment"
                           # the decode probes (probe_decode_split, probe_decode_ncu) narrowed
 """
 import argparse
@@ -485,8 +485,7 @@ def probe_attention():
 
 DECODE_VARIANTS = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
                    "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
-                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "seq reads": dict(lanes=False),
-                   "programs of 2": dict(chunks_per_program=2), "programs of 4": dict(chunks_per_program=4)}
+                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256)}
 DECODE_CASES = ((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192))
 
 
@@ -513,15 +512,15 @@ def probe_decode_split(cases=DECODE_CASES, only=None, width=None):
     # split launch holds 128 / 121 registers (Triton 3.6 / 3.9, 138 on 3.9 before the lanes; sm_90
     # compile with vLLM's strides divisible by 16) and 70 KB of shared memory: 3 programs an SM, which
     # shared memory caps, so no register cap adds one; tests/test_triton_layouts.py.)
-    # "seq reads": a tile's sequence offsets and length read again at its index once the lanes found it
-    # (before 2026-12-07; the default picks them from the lanes, the lengths read beside the offsets:
-    # one dependent read fewer before the first K/V copy).
-    # "programs of 2" / "of 4": a split program walks 2 / 4 KV chunks in one loop (_CHUNKS_PER_PROGRAM),
-    # fewer and longer programs, as FlashAttention-3's split heuristic makes them (RESULTS.md session 36).
+    # Dropped 2026-12-07 (H100, B=4 x 32k / 16 x 32k / 4 x 8k us, against the default's 106.1 / 378.1 /
+    # 36.0): a tile's sequence offsets and length read again at its index once the lanes found it
+    # ("seq reads", 109.3 / 387.2 / 37.1); a split program walking 2 or 4 KV chunks in one loop, as
+    # FlashAttention-3's split heuristic sizes them ("programs of 2 / 4", 106.6 / 387.0 / 36.7 and
+    # 111.7 / 395.2 / 51.6; slower still at B=1: 23.5 / 26.9 against 12.9 at 1k).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {k: v for k, v in DECODE_VARIANTS.items() if only is None or k in only}
-    cold, cold_variants = Cold(), ("default", "one segment", "stages 4", "seq reads", "programs of 4")
+    cold, cold_variants = Cold(), ("default", "one segment", "stages 4")
     for batch, ctx in cases:
         run, cols = _decode_launch(batch, ctx, width)
         base = run()

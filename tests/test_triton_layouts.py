@@ -98,7 +98,7 @@ def attention_ttgir(*args, **kw):
 
 
 def attention_compiled(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(),
-                       hold=True, fold_half=None, lanes=True, cpp=1):
+                       hold=True, fold_half=None):
     """The forward kernel compiled for the H200 in one launch form (TTGIR to cubin); divisible:
     the integer arguments the launcher would mark divisible by 16 (none unless named)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
@@ -107,7 +107,7 @@ def attention_compiled(paged, split, rows, warps, stages, fold_stages=None, off3
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
                  FOLD_STAGES=fold_stages or ta._FOLD_STAGES,
                  FOLD_HALF=ta._FOLD_HALF if fold_half is None else fold_half, OFF32=paged and off32, HOLD=hold,
-                 SEG=ta._FOLD_SEGMENT, LAST_FIRST=False, LANES=lanes, CPP=cpp)
+                 SEG=ta._FOLD_SEGMENT, LAST_FIRST=False)
     kernel = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
                           num_stages=stages)
     assert kernel.asm["cubin"]

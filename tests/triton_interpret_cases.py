@@ -255,16 +255,6 @@ def test_split_walk_with_its_table_reads_in_the_loop_gives_the_same_bits(monkeyp
     assert torch.equal(ta._forward(*args, split=True, hold=False), ta._forward(*args, split=True))
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_tile_setup_from_the_lanes_or_reread_gives_the_same_bits(split):
-    """The probes' `lanes=False` (a tile's sequence offsets and length read again at its index, as
-    before 2026-12-07) finds the same rows and keys as the default's picks from the lanes: the same
-    bits, the padding request's lanes included."""
-    from consistent_ops.triton import attention as ta
-    args = _decode_tail(BF16)
-    assert torch.equal(ta._forward(*args, split=split, lanes=False), ta._forward(*args, split=split))
-
-
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("chunk", [64, 128, 256])
 def test_split_launch_equals_unsplit_launch_after_launch(dtype, chunk, monkeypatch):
@@ -317,33 +307,6 @@ def test_split_fold_in_segments_gives_the_same_bits(segment, last_first, monkeyp
         assert torch.equal(got, want) and _counters_idle()
 
 
-@pytest.mark.parametrize("chunk, per, segment", [(64, 2, None), (64, 4, None), (64, 2, 2), (64, 2, 4),
-                                                 (128, 2, None)])
-@pytest.mark.parametrize("last_first", [False, True], ids=["in-order", "last-first"])
-def test_split_programs_of_several_chunks_give_the_same_bits(chunk, per, segment, last_first, monkeypatch):
-    """A split program that walks 2 or 4 KV chunks in one loop (each chunk's state stored at its end
-    and restarted; the page ids of all its chunks held) == the unsplit launch, bit for bit, whole and
-    half fold, in one segment and in segments of 2 or 4 chunks (a program's chunks in one segment, the
-    arrivals counted a program), chunks of 1 and 2 key blocks: with 64-key chunks, the decode at 200
-    keys (4 chunks), the prefill chunk ending at 130 (3: a program's last chunk past the tile), the
-    tile of one chunk."""
-    from consistent_ops.triton import attention as ta
-    monkeypatch.setattr(ta, "KV_CHUNK", chunk)
-    args = _decode_tail(torch.float32)
-    want = ta._forward(*args, split=False)
-    for half in (False, True):
-        got = ta._forward(*args, split=True, fold_segment=segment, last_first=last_first, fold_half=half,
-                          chunks_per_program=per)
-        assert torch.equal(got, want) and _counters_idle()
-
-
-@pytest.mark.parametrize("per, segment", [(3, None), (2, 3), (0, None)])
-def test_split_programs_refuse_chunk_counts_that_do_not_tile_the_segments(per, segment):
-    from consistent_ops.triton import attention as ta
-    with pytest.raises(ValueError, match=f"chunks_per_program={per}: a power of two that divides fold_segment"):
-        ta._forward(*_decode_tail(BF16), split=True, fold_segment=segment, chunks_per_program=per)
-
-
 @triton.jit
 def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, first, end, D: tl.constexpr, STAGES: tl.constexpr):
     """_fold_states with the slots in reverse order (the mutation the companion below runs)."""
@@ -359,19 +322,17 @@ def _fold_reversed(WAcc, WML, qrow, head, valid, T, HQ, chunks, first, end, D: t
 
 
 @pytest.mark.parametrize("segment", [None, 2], ids=["one-segment", "segments-of-2"])
-@pytest.mark.parametrize("per", [1, 2], ids=["chunk-programs", "programs-of-2"])
-def test_split_fold_order_reaches_the_bits(segment, per, monkeypatch):
+def test_split_fold_order_reaches_the_bits(segment, monkeypatch):
     """Companion: the split launch folding its chunk states in reverse order gives other bits on
     every row that sees 3 or 4 chunks (the equality above would catch a wrong order); rows of 1
     or 2 chunks keep theirs (one fold of two states is commutative). In segments of 2, each
-    segment's slots reversed: the decode at 200 keys still differs (its second segment folds 3).
-    The same with programs of 2 chunks (their equality above)."""
+    segment's slots reversed: the decode at 200 keys still differs (its second segment folds 3)."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "KV_CHUNK", 64)
     args = _decode_tail(torch.float32)
     want = ta._forward(*args, split=False)
     monkeypatch.setattr(ta, "_fold_states", _fold_reversed)
-    got = ta._forward(*args, split=True, fold_segment=segment, chunks_per_program=per)
+    got = ta._forward(*args, split=True, fold_segment=segment)
     differ = [r for r in range(len(got)) if not torch.equal(got[r], want[r])]
     # the decode at 200 keys; whole: the prefill rows at 128, 129 too
     assert differ == ([0, 20, 21] if segment is None else [0]) and _counters_idle()

@@ -139,13 +139,12 @@ def _counters_idle():
     return all(not b.any() for bufs in ta._COUNTERS.values() for b in bufs)
 
 
-@pytest.mark.parametrize("fold_stages, fold_half, off32, segment, per",
-                         [(None, False, True, None, 1), (2, False, True, None, 1), (6, False, True, None, 1),
-                          (None, True, True, None, 1), (None, False, False, None, 1), (None, True, True, 4, 1),
-                          (None, False, True, 1, 1), (None, True, True, None, 4), (None, True, True, 4, 2)],
-                         ids=["full", "fold2", "fold6", "half", "int64", "half-seg4", "full-seg1", "half-per4",
-                              "half-seg4-per2"])
-def test_split_decode_graph_replays_equal_unsplit(fold_stages, fold_half, off32, segment, per, monkeypatch):
+@pytest.mark.parametrize("fold_stages, fold_half, off32, segment",
+                         [(None, False, True, None), (2, False, True, None), (6, False, True, None),
+                          (None, True, True, None), (None, False, False, None), (None, True, True, 4),
+                          (None, False, True, 1)],
+                         ids=["full", "fold2", "fold6", "half", "int64", "half-seg4", "full-seg1"])
+def test_split_decode_graph_replays_equal_unsplit(fold_stages, fold_half, off32, segment, monkeypatch):
     """The decode tail's split launch, where the last program of a tile to store its chunk state
     folds them all (an arrival counter; no fold launch), captured in a CUDA graph of 8 launches in
     a row and replayed 100 times: every output of every replay == the unsplit launch bit for bit,
@@ -155,15 +154,13 @@ def test_split_decode_graph_replays_equal_unsplit(fold_stages, fold_half, off32,
     tile or (a decode step: one token of two) its real half of rows; the cache addressed
     with int64 offsets (a cache past int32) against the unsplit launch's int32; the fold in segments
     of 4 and of 1 chunk (each folded by its last arrival onto the fold of those before, or by the
-    folder before it when all its chunks came first); programs of 4 and of 2 chunks (each walked in one
-    loop, every chunk's state stored at its end)."""
+    folder before it when all its chunks came first)."""
     from consistent_ops.triton import attention as ta
     from consistent_ops.contract import attention_scale
     monkeypatch.setattr(ta, "_split_programs", lambda device: 1 << 30)   # split (so small a batch does)
     if fold_stages:
         monkeypatch.setattr(ta, "_FOLD_STAGES", fold_stages)
     monkeypatch.setattr(ta, "_FOLD_HALF", fold_half)
-    monkeypatch.setattr(ta, "_CHUNKS_PER_PROGRAM", per)
     if segment:
         monkeypatch.setattr(ta, "_FOLD_SEGMENT", segment)
         monkeypatch.setattr(ta, "_SEGMENT_PROGRAMS", 0)      # segments at any grid

@@ -117,13 +117,6 @@ _FOLD_HALF = True
 # ~6 us, ~0.1 us a step, of the H200's 93 us launch at B=4 x 32k); in one wave (B=1 x 32k) the chunks
 # arrive together and segments would only add their stores. The same bits either way.
 _FOLD_SEGMENT, _SEGMENT_PROGRAMS = 16, 2
-# A split program walks _CHUNKS_PER_PROGRAM KV chunks in one loop, storing each chunk's state at its
-# end (the same states, the same fold: the same bits); more than 1 makes fewer, longer programs, as
-# FlashAttention-3's split heuristic does (one wave of 128-256 programs of 2k-4k keys at B=4 x 32k:
-# RESULTS.md session 36), at 76 KB of shared memory and 168 / 252 registers a program for 2 / 4
-# chunks (Triton 3.6; 180 / 173 on 3.9; no spills): 2 programs an SM, not 3. 1 (one chunk a
-# program) until timed: probe_decode_split's "programs of 2" / "of 4".
-_CHUNKS_PER_PROGRAM = 1
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head, fold segment)
 # triples of any launch the threshold splits (fewer than 264 pairs on the H200, 5 segments at a
@@ -248,23 +241,17 @@ def _fresh(ROWS: tl.constexpr, D: tl.constexpr):
 def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V, stride_k, stride_v, Table,
           stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS: tl.constexpr, D: tl.constexpr,
           KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
-          OFF32: tl.constexpr, MASK: tl.constexpr, FOLD: tl.constexpr, HOLD: tl.constexpr,
-          STORE: tl.constexpr = False, WAcc=0, WML=0, qrow=0, head=0, valid=0, T=0, HQ=0, chunks=0, j0=0):
+          OFF32: tl.constexpr, MASK: tl.constexpr, FOLD: tl.constexpr, HOLD: tl.constexpr):
     """Key blocks j_lo .. j_hi - 1 of the contract's walk, in ONE loop (a loop a chunk would restart
     the software pipeline every CHUNK // KV blocks). FOLD: at the first block of every chunk but
     chunk 0, the state (acc, m, l) of the chunk before is folded into (facc, fm, fl) and restarts;
-    STORE: at the first block of every chunk after block j0, the state of the chunk before is stored
-    (_chunk_store: WAcc .. chunks, given only then) and restarts; else the blocks lie in one chunk and
-    (facc, fm, fl) pass through. HOLD: the blocks' page ids are held (_held_pages: held, col0)."""
+    else the blocks lie in one chunk and (facc, fm, fl) pass through. HOLD: the blocks lie in one
+    chunk whose page ids are held (_held_pages: held, col0)."""
     offs = tl.arange(0, KV)
     for j in range(j_lo, j_hi):
         if FOLD:
             if (j > 0) & (j % (CHUNK // KV) == 0):
                 facc, fm, fl = _fold(facc, fm, fl, acc, m, l)
-                acc, m, l = _fresh(ROWS, D)
-        if STORE:
-            if (j > j0) & (j % (CHUNK // KV) == 0):
-                _chunk_store(WAcc, WML, j // (CHUNK // KV) - 1, qrow, head, valid, acc, m, l, T, HQ, chunks, D)
                 acc, m, l = _fresh(ROWS, D)
         kpos = j * KV + offs
         krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages, held, col0,
@@ -276,34 +263,28 @@ def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V
 
 @triton.jit
 def _attend_chunk(c, q, qpos, seq, seq_len, row0, n_full, n_blocks, K, V, stride_k, stride_v, Table, stride_tab,
-                  tab_cols, pages, qk_scale, col, WAcc, WML, qrow, head, valid, T, HQ, chunks, ROWS: tl.constexpr,
-                  D: tl.constexpr, KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                  TMA: tl.constexpr, OFF32: tl.constexpr, HOLD_PAGES: tl.constexpr, CPP: tl.constexpr):
-    """The contract's walk over the key blocks of KV chunks c .. c + CPP - 1 (those the tile sees),
-    each from a fresh state, in one loop: blocks below n_full are seen whole by every row of the tile
-    (no mask), blocks from n_blocks on by none. Every chunk's state but the last is stored at its end
-    (_walk's STORE, rows `valid`); returns the last chunk's index and its unnormalised acc, row max m
-    and sum l."""
+                  tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr, KV: tl.constexpr,
+                  CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
+                  OFF32: tl.constexpr, HOLD_PAGES: tl.constexpr):
+    """The contract's walk over the key blocks of KV chunk c, from a fresh state: blocks
+    below n_full are seen whole by every row of the tile (no mask), blocks from n_blocks on
+    by none. Returns the chunk's unnormalised acc, row max m and sum l."""
     acc, m, l = _fresh(ROWS, D)
     j0 = c * (CHUNK // KV)
-    j1 = tl.minimum(j0 + CPP * (CHUNK // KV), n_blocks)
-    # a page of a power of two keys: the chunks' pages are whole (HOLD_PAGES off: probes only)
+    j1 = tl.minimum(j0 + CHUNK // KV, n_blocks)
+    # a page of a power of two keys: the chunk's pages are whole (HOLD_PAGES off: probes only)
     HOLD: tl.constexpr = HOLD_PAGES and (PAGED and (PAGE & (PAGE - 1)) == 0)
     if HOLD:
-        held, col0 = _held_pages(seq, c // CPP, Table, stride_tab, tab_cols, CPP * CHUNK, PAGE)
+        held, col0 = _held_pages(seq, c, Table, stride_tab, tab_cols, CHUNK, PAGE)
     else:
         held, col0 = 0, 0
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, j0, tl.minimum(j1, n_full), q, qpos, seq, seq_len, row0, K, V,
                                stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS,
-                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, False, False, HOLD, STORE=CPP > 1, WAcc=WAcc,
-                               WML=WML, qrow=qrow, head=head, valid=valid, T=T, HQ=HQ, chunks=chunks, j0=j0)
+                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, False, False, HOLD)
     _, _, _, acc, m, l = _walk(acc, m, l, acc, m, l, tl.maximum(j0, n_full), j1, q, qpos, seq, seq_len, row0, K, V,
                                stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS,
-                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, False, HOLD, STORE=CPP > 1, WAcc=WAcc,
-                               WML=WML, qrow=qrow, head=head, valid=valid, T=T, HQ=HQ, chunks=chunks, j0=j0)
-    if CPP > 1:
-        c = (j1 - 1) // (CHUNK // KV)
-    return c, acc, m, l
+                               D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, False, HOLD)
+    return acc, m, l
 
 
 @triton.jit
@@ -386,20 +367,17 @@ def _flat_tile(p, Starts, S, UNIT: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def _tile_setup(seq, tile, i, firsts, lens, kv_lens, QStart, SeqLen, G: tl.constexpr, TPT: tl.constexpr,
-                ROWS: tl.constexpr, PAGED: tl.constexpr, LANES: tl.constexpr):
+def _tile_setup(seq, tile, i, firsts, lens, kv_lens, G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr,
+                PAGED: tl.constexpr):
     """A tile's rows: first token row q0, rows' token and query head within the KV group,
     which rows are real, their positions, the tile's first and last position and seq_len.
-    Padding rows get a real prefix and are never stored. LANES: the sequence's first row, token
-    count and seq_len are picked from lanes i of every sequence's (firsts, lens, kv_lens, read with
-    the lanes that found seq), else read at seq: the same values."""
-    if LANES:
-        q0, n_new = _lane(firsts, i, seq), _lane(lens, i, seq)
-    else:
-        q0 = tl.load(QStart + seq)
-        n_new = tl.load(QStart + seq + 1) - q0
+    Padding rows get a real prefix and are never stored. The sequence's first row, token count
+    and seq_len are picked from lanes i of every sequence's (firsts, lens, kv_lens), read with
+    the lanes that found seq: no load of its own (one dependent read fewer before the walk's
+    first K/V copy than reading them at seq, which was slower on the H100, 2026-12-07)."""
+    q0, n_new = _lane(firsts, i, seq), _lane(lens, i, seq)
     if PAGED:                                        # includes this step's tokens
-        seq_len = _lane(kv_lens, i, seq) if LANES else tl.load(SeqLen + seq)
+        seq_len = _lane(kv_lens, i, seq)
     else:                                            # packed sequences: no cached tokens
         seq_len = n_new
     ctx = seq_len - n_new                            # tokens cached before this step
@@ -418,25 +396,21 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
                      FOLD_STAGES: tl.constexpr, FOLD_HALF: tl.constexpr, OFF32: tl.constexpr,
-                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr, LANES: tl.constexpr,
-                     CPP: tl.constexpr):
+                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance; the
-    # sequences' lengths read beside their offsets (LANES), so the tile's setup waits on no load
+    # sequences' lengths read beside their offsets, so the tile's setup waits on no load
     i, firsts, lens = _seq_lens(QStart, S, SB)
-    kv_lens = tl.load(SeqLen + i, mask=i < S, other=0) if (LANES and PAGED) else lens
+    kv_lens = tl.load(SeqLen + i, mask=i < S, other=0) if PAGED else lens
     seq, tile = _flat_index(tl.num_programs(0) - 1 - tl.program_id(0), i, (lens + TPT - 1) // TPT)
     if seq >= S:
         return
     kvh = tl.program_id(1)
     # 2. rows and their positions
     q0, qrow, hg, valid, qpos, first_pos, last_pos, seq_len = _tile_setup(seq, tile, i, firsts, lens, kv_lens,
-                                                                          QStart, SeqLen, G, TPT, ROWS, PAGED,
-                                                                          LANES)
-    c = tl.program_id(2)                             # SPLIT: this program's first KV chunk / CPP (else 0)
+                                                                          G, TPT, ROWS, PAGED)
+    c = tl.program_id(2)                             # SPLIT: this program's KV chunk (else 0)
     if LAST_FIRST:                                   # (tests: the chunks arrive last first)
         c = tl.num_programs(2) - 1 - c
-    c = c * CPP
-    chunks = tl.num_programs(2) * CPP                # SPLIT: the chunk states' slots
     if c > last_pos // CHUNK:                        # no row of the tile sees it
         return
     head = kvh * G + hg
@@ -450,32 +424,31 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
         Kh, Vh = K + kvh * stride_kh, V + kvh * stride_vh
     store = valid
     if SPLIT:
-        hq = G * tl.num_programs(1)
-        c_last, acc, m, l = _attend_chunk(c, q, qpos, seq, seq_len, q0.to(tl.int64), (first_pos + 1) // KV,
-                                          last_pos // KV + 1, Kh, Vh, stride_k, stride_v, Table, stride_tab, tab_cols,
-                                          pages, qk_scale, kvh * D, WAcc, WML, qrow, head, valid, T, hq, chunks, ROWS,
-                                          D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, HOLD, CPP)
-        # a tile of several chunks: its states, folded by the tile's last program; of one: its output
+        acc, m, l = _attend_chunk(c, q, qpos, seq, seq_len, q0.to(tl.int64), (first_pos + 1) // KV, last_pos // KV + 1,
+                                  Kh, Vh, stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D,
+                                  ROWS, D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, HOLD)
+        # a tile of several chunks: its state, folded by the tile's last program; of one: its output
         several = (qpos * 0 + last_pos) >= CHUNK       # per row (a scalar mask is not one on every backend)
-        _chunk_store(WAcc, WML, c_last, qrow, head, valid & several, acc, m, l, T, hq, chunks, D)
+        hq = G * tl.num_programs(1)
+        _chunk_store(WAcc, WML, c, qrow, head, valid & several, acc, m, l, T, hq, tl.num_programs(2), D)
         store = valid & ~several
         if last_pos >= CHUNK:
-            # the tile's chunks: none past the table's capacity (only vLLM's dummy runs have
+            # the tile's chunk programs: none past the table's capacity (only vLLM's dummy runs have
             # sequences longer than a table row; their outputs are never read)
-            n = tl.minimum(last_pos // CHUNK + 1, chunks)
+            n = tl.minimum(last_pos // CHUNK + 1, tl.num_programs(2))
             if (FOLD_HALF and TPT >= 2) and (last_pos - first_pos < TPT // 2):
                 # the tile's real rows are its first half (a decode step: one token of TPT): those
                 # alone are folded (half the elements a thread: 98 SASS instructions a step, not
                 # 152) and stored here; the same instructions on each real row, so the same bits
                 tok, hg2, valid2 = _tile_rows(tile, tile * TPT + last_pos - first_pos + 1, ROWS // 2, G, TPT)
                 qrow2, head2 = (q0 + tok).to(tl.int64), kvh * G + hg2
-                done, acc2, _, l2 = _fold_arrivals(WAcc, WML, Count, c, n, chunks, qrow2, head2, valid2, T, hq,
-                                                   ROWS // 2, D, SEG, FOLD_STAGES, CPP)
+                done, acc2, _, l2 = _fold_arrivals(WAcc, WML, Count, c, n, qrow2, head2, valid2, T, hq, ROWS // 2, D,
+                                                   SEG, FOLD_STAGES)
                 if done:
                     _store_out(O, qrow2, head2, stride_ot, stride_oh, acc2, l2, valid2, D)
             else:
-                done, acc, m, l = _fold_arrivals(WAcc, WML, Count, c, n, chunks, qrow, head, valid, T, hq, ROWS, D,
-                                                 SEG, FOLD_STAGES, CPP)
+                done, acc, m, l = _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, hq, ROWS, D, SEG,
+                                                 FOLD_STAGES)
                 if done:
                     store = valid
     else:
@@ -534,13 +507,12 @@ def _last_to_arrive(Count, n):
 
 
 @triton.jit
-def _fold_arrivals(WAcc, WML, Count, c, n, chunks, qrow, head, valid, T, HQ, R: tl.constexpr, D: tl.constexpr,
-                   SEG: tl.constexpr, STAGES: tl.constexpr, CPP: tl.constexpr):
-    """The arrival of the program of chunks c .. c + CPP - 1, their states stored, and the folds it
-    then owes. A tile's n chunks (of `chunks` slots) fold in segments of SEG (0: one segment of all n;
-    a multiple of CPP, so a program's chunks lie in one segment), a counter each: segment s's last
-    arrival (of its chunks' programs and, for s > 0, the folder of s - 1) folds its chunks onto the
-    fold of those before, which the folder of s - 1 stored in the slot of its last chunk (fp32, read back exact):
+def _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, HQ, R: tl.constexpr, D: tl.constexpr,
+                   SEG: tl.constexpr, STAGES: tl.constexpr):
+    """Chunk c's arrival, its state stored, and the folds it then owes. A tile's n chunks fold in
+    segments of SEG (0: one segment of all n), a counter each: segment s's last arrival (of its
+    chunks' programs and, for s > 0, the folder of s - 1) folds its chunks onto the fold of those
+    before, which the folder of s - 1 stored in the slot of its last chunk (fp32, read back exact):
     _fold_states' one left fold in chunk order, cut into pieces, so the same bits; the folds of early
     segments run while later chunks still walk. A folder whose next segment has all arrived goes on
     with it. Returns (done, acc, m, l) of R rows: done where this program folded the last segment
@@ -550,19 +522,19 @@ def _fold_arrivals(WAcc, WML, Count, c, n, chunks, qrow, head, valid, T, HQ, R: 
     per = tl.num_programs(0) * tl.num_programs(1)     # counters a segment: one per (tile program, KV head)
     mine = Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     s0 = c // size
-    go = _last_to_arrive(mine + s0 * per, tl.cdiv(tl.minimum(size, n - s0 * size), CPP) + (s0 > 0).to(tl.int32))
+    go = _last_to_arrive(mine + s0 * per, tl.minimum(size, n - s0 * size) + (s0 > 0).to(tl.int32))
     done = s0 < 0                                      # False, as a tensor (a loop-carried value)
     acc, m, l = _fresh(R, D)
     for s in range(s0, last + 1):
         if go:
             hi = tl.minimum(s * size + size, n)
-            acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, tl.maximum(s * size - 1, 0), hi, D,
-                                     STAGES)
+            acc, m, l = _fold_states(WAcc, WML, qrow, head, valid, T, HQ, tl.num_programs(2),
+                                     tl.maximum(s * size - 1, 0), hi, D, STAGES)
             if s == last:
                 done = go
             else:
-                _chunk_store(WAcc, WML, hi - 1, qrow, head, valid, acc, m, l, T, HQ, chunks, D)
-                go = _last_to_arrive(mine + (s + 1) * per, tl.cdiv(tl.minimum(size, n - (s + 1) * size), CPP) + 1)
+                _chunk_store(WAcc, WML, hi - 1, qrow, head, valid, acc, m, l, T, HQ, tl.num_programs(2), D)
+                go = _last_to_arrive(mine + (s + 1) * per, tl.minimum(size, n - (s + 1) * size) + 1)
     return done, acc, m, l
 
 
@@ -868,7 +840,7 @@ def _fits_int32(*caches):
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
              chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True, fold_segment=None,
-             last_first=False, lanes=True, chunks_per_program=None):
+             last_first=False):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
@@ -878,10 +850,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits); hold:
     the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits);
     fold_segment: chunks a segment of the split fold (0: one segment; probes and tests: the same
-    bits); last_first: chunk programs numbered from the last chunk (tests: the same bits); lanes: a
-    tile's sequence offsets and lengths picked from the lanes read to find it, or read again at its
-    index (probes: the same bits); chunks_per_program: KV chunks a split program walks in one loop, a
-    power of two dividing fold_segment (probes: the same bits)."""
+    bits); last_first: chunk programs numbered from the last chunk (tests: the same bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -910,25 +879,20 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     tma = not paged and (_FWD_TMA if tma is None else tma) and k.shape[0] > 0 and k.is_contiguous() \
         and v.is_contiguous() and gemm.tma_ready(k.flatten(1), v.flatten(1))
     ka, va = ((gemm.descriptor(c.flatten(1), [KV_BLOCK, d]) for c in (k, v)) if tma else (k, v))
-    # the chunks a sequence of the table's capacity has (shapes only), in programs of cpp
-    cpp = _CHUNKS_PER_PROGRAM if chunks_per_program is None else chunks_per_program
-    segment = _FOLD_SEGMENT if fold_segment is None else fold_segment   # the default's is 0 or this
-    if cpp < 1 or cpp & (cpp - 1) or segment % cpp:
-        raise ValueError(f"chunks_per_program={cpp}: a power of two that divides fold_segment ({segment})")
-    chunks = triton.cdiv(table.shape[1] * page, chunk * cpp) * cpp if paged else 1
+    # the chunks a sequence of the table's capacity has: shapes only
+    chunks = triton.cdiv(table.shape[1] * page, chunk) if paged else 1
     if split is None:
         split = paged and bound * hkv < _split_programs(q.device) and chunks * t * hq * (d + 2) * 4 <= _SPLIT_BYTES
     # (int32 state offsets: _chunk_ptrs)
     split = split and paged and chunks > 1 and lse is None and chunks * t * hq * d < 2 ** 31
     if fold_segment is None:   # segments where the chunk programs span waves (shapes only)
-        fold_segment = _FOLD_SEGMENT if programs * hkv * chunks // cpp > _SEGMENT_PROGRAMS * _split_programs(q.device) \
-            else 0
+        fold_segment = _FOLD_SEGMENT if programs * hkv * chunks > _SEGMENT_PROGRAMS * _split_programs(q.device) else 0
     segments = triton.cdiv(chunks, fold_segment) if fold_segment else 1
     count = _counters(q.device, programs * hkv * segments) if split else o
     split = split and count is not None
     wacc, wml = ((torch.empty((chunks, t, hq, d), dtype=torch.float32, device=q.device),
                   torch.empty((2, chunks, t, hq), dtype=torch.float32, device=q.device)) if split else (o, o))
-    _attn_fwd_kernel[(programs, hkv, chunks // cpp if split else 1)](
+    _attn_fwd_kernel[(programs, hkv, chunks if split else 1)](
         q, ka, va, o, lse if lse is not None else o, wacc, wml, count if split else o, q_start,
         seq_lens if paged else q_start, tab, s, t,
         q.stride(0), q.stride(1), kr, k.stride(-2), vr, v.stride(-2), o.stride(0), o.stride(1),
@@ -937,8 +901,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
         OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
-        SEG=fold_segment if split else 0, LAST_FIRST=last_first, LANES=lanes, CPP=cpp if split else 1,
-        num_warps=warps, num_stages=stages, **EXACT)
+        SEG=fold_segment if split else 0, LAST_FIRST=last_first, num_warps=warps, num_stages=stages,
+        **EXACT)
     return o
 
 
