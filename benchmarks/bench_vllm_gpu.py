@@ -95,7 +95,10 @@ def parse_args(argv=None):
                    "--tail: 3 per case)")
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per engine, interleaved")
     p.add_argument("--engines", default=DEFAULT_ENGINES, help=f"comma-separated, of {', '.join(ENGINES)}")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vLLM's fraction of the GPU's "
+                   "memory for each engine (weights, activations, KV cache); --tail at 48 layers on an 80 GB "
+                   "card, 0.95 should hold B=4 x 32k's 132k tokens of KV beside the weights (by arithmetic: "
+                   "~150k for stock vLLM, which held 62,816 at 0.85; not yet run)")
     p.add_argument("--load-format", choices=("auto", "dummy"), help="vLLM's: dummy draws random weights "
                    "(each engine its own), for a checkpoint of config and tokenizer alone (make_tiny_model "
                    "--no-weights): the full 48-layer shape without 61 GB of files")
@@ -118,6 +121,9 @@ def parse_args(argv=None):
            if k in ("prompts", "n", "prompt_len", "max_response", "repeats", "rounds") and v < 1]
     if bad:
         problem = f"{', '.join(bad)}: use 1 or more"
+    elif not 0 < a.gpu_memory_utilization <= 1:
+        problem = (f"--gpu-memory-utilization {a.gpu_memory_utilization}: give a fraction of the GPU's memory "
+                   "in (0, 1], e.g. 0.95")
     elif not a.child and (not a.engines or set(a.engines.split(",")) - set(ENGINES)):
         problem = f"--engines {a.engines}: name some of {', '.join(ENGINES)}"
     elif a.tail and a.profile:
@@ -360,7 +366,7 @@ def too_big(kv, b, ctx):
     blocks, size = kv
     need = b * -(-(ctx + 1 + TAIL_DECODE) // size)
     return None if need <= blocks else (f"needs {need * size:,} tokens of KV cache at once, the engine "
-                                        f"holds {blocks * size:,}")
+                                        f"holds {blocks * size:,} (more with a higher --gpu-memory-utilization)")
 
 
 def time_tail(llm, engine, repeats, vocab, cases=TAIL_CASES, host_times=False):

@@ -19,7 +19,10 @@
 #   tail48  the same at the full 48-layer shape (where 8 layers leave both engines host-bound): a
 #           checkpoint of config and tokenizer alone at $GPU_VLLM_TAIL_MODEL, weights drawn by vLLM
 #           (--load-format dummy, each engine its own); $GPU_VLLM_CASES (BxCONTEXT,...) narrows the
-#           cases (61 GB of weights: on an H100 the cases past its KV room fail, on the H200 all fit)
+#           cases (61 GB of weights: on an H100 at the default 0.85 of its memory B=4 x 32k and 16 x 32k
+#           are skipped, too big for the KV cache; GPU_VLLM_MEM=0.95 should hold 4 x 32k, by arithmetic, not
+#           yet run; on the H200 all fit)
+# $GPU_VLLM_MEM: vLLM's gpu_memory_utilization for every benchmark step (bench_vllm_gpu.py's default 0.85).
 # Exit status: non-zero if a step failed or a plugin check found a difference.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +36,7 @@ model48=${GPU_VLLM_TAIL_MODEL:-/tmp/qwen3_30b_a3b_l48_noweights}
 # Qwen3-30B-A3B's shape (random weights, real vocabulary, 128 experts top-8); --num-layers apart
 shape=(--arch qwen3_moe --hidden-size 2048 --num-heads 32 --num-kv-heads 4 --head-dim 128 --intermediate-size 6144
        --moe-intermediate-size 768 --num-experts 128 --top-k 8 --vocab-size 151936 --max-position 40960)
+mem=(${GPU_VLLM_MEM:+--gpu-memory-utilization "$GPU_VLLM_MEM"})
 rc=0
 
 run() {   # name, command...: log under $out, count a failure
@@ -59,25 +63,25 @@ for step in "${steps[@]}"; do
         python3 -m true_on_policy.check "${common[@]}" --temperature 0.7 --stock --json "$out/check_stock.json" \
             2>&1 | tee "$out/check_stock.log" ;;
     bench)
-        run bench python3 benchmarks/bench_vllm_gpu.py --model "$model" --rounds "${GPU_VLLM_ROUNDS:-2}" \
+        run bench python3 benchmarks/bench_vllm_gpu.py "${mem[@]}" --model "$model" --rounds "${GPU_VLLM_ROUNDS:-2}" \
             --json "$out/bench.json" --logs "$out/bench_logs" ;;
     long)
-        run long python3 benchmarks/bench_vllm_gpu.py --model "$model" --prompts 8 --max-response 16384 \
+        run long python3 benchmarks/bench_vllm_gpu.py "${mem[@]}" --model "$model" --prompts 8 --max-response 16384 \
             --json "$out/long.json" --logs "$out/long_logs" ;;
     profile)
-        run profile python3 benchmarks/bench_vllm_gpu.py --model "$model" --profile --json "$out/profile.json" \
+        run profile python3 benchmarks/bench_vllm_gpu.py "${mem[@]}" --model "$model" --profile --json "$out/profile.json" \
             --logs "$out/profile_logs" ;;
     tail)
-        run tail python3 benchmarks/bench_vllm_gpu.py --model "$model" --tail --rounds "${GPU_VLLM_ROUNDS:-1}" \
+        run tail python3 benchmarks/bench_vllm_gpu.py "${mem[@]}" --model "$model" --tail --rounds "${GPU_VLLM_ROUNDS:-1}" \
             --json "$out/tail.json" --logs "$out/tail_logs" ;;
     profile48|tail48)
         [ -f "$model48/config.json" ] || run model48 python3 -m true_on_policy.make_tiny_model "${shape[@]}" \
             --out "$model48" --num-layers 48 --no-weights ;;&
     profile48)
-        run profile48 python3 benchmarks/bench_vllm_gpu.py --model "$model48" --load-format dummy --profile \
+        run profile48 python3 benchmarks/bench_vllm_gpu.py "${mem[@]}" --model "$model48" --load-format dummy --profile \
             --prompts 1 --n 1 --prompt-len 1024 --json "$out/profile48.json" --logs "$out/profile48_logs" ;;
     tail48)
-        run tail48 python3 benchmarks/bench_vllm_gpu.py --model "$model48" --load-format dummy --tail \
+        run tail48 python3 benchmarks/bench_vllm_gpu.py "${mem[@]}" --model "$model48" --load-format dummy --tail \
             --rounds "${GPU_VLLM_ROUNDS:-1}" ${GPU_VLLM_CASES:+--cases "$GPU_VLLM_CASES"} \
             --json "$out/tail48.json" --logs "$out/tail48_logs" ;;
     esac

@@ -333,8 +333,12 @@ def test_tail_with_profile_is_refused_in_one_line(tmp_path):
                                       "comma-separated (e.g. 1x1024,16x32768)"),
     (["--cases", "1x1024"], "--cases without --tail: add --tail"),
     (["--host-times"], "--host-times without --tail: add --tail"),
+    (["--gpu-memory-utilization", "95"], "--gpu-memory-utilization 95.0: give a fraction of the GPU's memory "
+                                         "in (0, 1], e.g. 0.95"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization 0.0: give a fraction of the GPU's memory "
+                                        "in (0, 1], e.g. 0.95"),
 ])
-def test_bad_cases_or_host_times_without_tail_are_refused_in_one_line(tmp_path, argv, message):
+def test_bad_cases_host_times_without_tail_or_memory_fraction_are_refused_in_one_line(tmp_path, argv, message):
     (tmp_path / "config.json").write_text("{}")
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), *argv],
                        capture_output=True, text=True, timeout=60)
@@ -431,7 +435,8 @@ def test_a_case_the_kv_cache_cannot_hold_at_once_is_skipped_not_timed(capsys):
     ratios; a case that fits is timed (the companion)."""
     kv = (3924, 16)                                                      # the H100's stock engine
     assert bench.too_big(kv, 4, 8192) is None and bench.too_big(None, 16, 32768) is None
-    assert bench.too_big(kv, 16, 8192) == "needs 135,424 tokens of KV cache at once, the engine holds 62,784"
+    assert bench.too_big(kv, 16, 8192) == ("needs 135,424 tokens of KV cache at once, the engine holds 62,784 "
+                                          "(more with a higher --gpu-memory-utilization)")
 
     class Engine:
         vllm_config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=3924, block_size=16))
@@ -451,6 +456,26 @@ def test_a_case_the_kv_cache_cannot_hold_at_once_is_skipped_not_timed(capsys):
     assert tail["cases"][0]["plugin_speed"] == 4.8 / 6.0
     bench.print_tail(tail, ["stock", "plugin"])
     printed = capsys.readouterr().out
-    assert "| 16 | 8,192 | skipped: needs 135,424 tokens of KV cache at once, the engine holds 62,784 |" in printed
+    assert f"| 16 | 8,192 | skipped: {stock[0]['skipped']} |" in printed
     assert "(issue 26): 0 of 1 cases (1 more skipped); lowest 0.800 (B=1, context 1,024)" in printed
     assert bench._tail_note({"cases": [fits] + stock}) == "decode ms/step B=1 1k 4.800, B=16 8k skipped"
+
+
+@pytest.mark.parametrize("mem, passed", [("0.95", ["--gpu-memory-utilization", "0.95"]), ("", [])])
+def test_the_suite_passes_gpu_vllm_mem_to_each_benchmark_step(tmp_path, mem, passed):
+    """GPU_VLLM_MEM reaches bench_vllm_gpu.py in the suite's tail48 step (what lets an 80 GB card hold
+    B=4 x 32k beside the 48-layer weights); unset, the benchmark's own default stands (the companion).
+    A python3 on PATH that records its arguments stands in for the device's."""
+    shim, model = tmp_path / "bin", tmp_path / "model48"
+    shim.mkdir(), model.mkdir()
+    (model / "config.json").write_text("{}")
+    (shim / "python3").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    (shim / "python3").chmod(0o755)
+    env = {"PATH": f"{shim}:/usr/bin:/bin", "GPU_VLLM_MEM": mem, "GPU_VLLM_TAIL_MODEL": str(model),
+           "ARGS_OUT": str(tmp_path / "args")}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_vllm_suite.sh"), "tail48", str(tmp_path / "out")],
+                       env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    args = (tmp_path / "args").read_text().split("\n")
+    assert args[0] == "benchmarks/bench_vllm_gpu.py" and args[1:3 if passed else 1] == passed
+    assert args[len(passed) + 1:len(passed) + 3] == ["--model", str(model)]
