@@ -461,31 +461,33 @@ def _probe_variants(label, runs, variants, rounds=5):
 def probe_attention():
     """Forward variants (keyword arguments of _forward: tile (rows, warps, stages), tma (bulk
     copies of packed K/V)) at S=16k x1, 8k x2 and 4k x4 (varlen) and a 2k chunk at context 8k
-    (paged: pointer loads always); 128-row tiles (the same bits since the integer row sum, so a
+    and 30k (paged: pointer loads always); 128-row tiles (the same bits since the integer row sum, so a
     training tile of its own would be a speed choice: H100 2026-12-06, no faster with TMA); KV chunks
-    of 256 keys (a contract change, other bits)."""
+    of 256 keys (a contract change, other bits); the unsplit paged walk's page ids carried a block
+    ahead (`carry`: its chunks over a cache of 8k and 30k, what a multi-turn prefill attends)."""
     from consistent_ops.triton import attention as ta
-    chunk, ctx = 2048, 8192
     from harness import PagedKV
-    kv = PagedKV(1, (ctx + chunk) // 16 + 8, 16, HKV, D, BF16, DEV)
-    kv.k[0].normal_(), kv.v[0].normal_()
-    kv.plan([(0, ctx)])
-    _, _, bt, seq_lens, qsl = kv.plan([(0, chunk)])
+    chunk, scale, runs = 2048, D ** -0.5, {}
     qc = rand(chunk, HQ, D)
-    scale = D ** -0.5
-    runs = {"paged 2k@8k": lambda **kw: (ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True, **kw),)}
+    for ctx in (8192, 30720):
+        kv = PagedKV(1, (ctx + chunk) // 16 + 8, 16, HKV, D, BF16, DEV)
+        kv.k[0].normal_(), kv.v[0].normal_()
+        kv.plan([(0, ctx)])
+        _, _, bt, seq_lens, qsl = kv.plan([(0, chunk)])
+        runs[f"paged 2k@{ctx // 1024}k"] = (lambda kv=kv, bt=bt, seq_lens=seq_lens, qsl=qsl, **kw:
+                                             (ta._forward(qc, kv.k[0], kv.v[0], qsl, seq_lens, bt, scale, True, **kw),))
     for s, batch in ((16384, 1), (8192, 2), (4096, 4)):
         q, k, v, _, cu, _, lse, _ = _attention_case(s, batch)
         runs[f"varlen {s // 1024}k x{batch}"] = (
             lambda q=q, k=k, v=v, cu=cu, lse=lse, **kw:
             (ta._forward(q, k, v, cu, None, None, scale, False, lse=lse, **kw), lse.clone()))
     _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2)), dict(tile=(128, 8, 3)),
-                                            dict(tile=(128, 8, 4)), dict(chunk=256)))
+                                            dict(tile=(128, 8, 4)), dict(chunk=256), dict(carry=True)))
 
 
 DECODE_VARIANTS = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
                    "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
-                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256)}
+                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "carry": dict(carry=True)}
 DECODE_CASES = ((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192))
 
 
@@ -517,6 +519,8 @@ def probe_decode_split(cases=DECODE_CASES, only=None, width=None):
     # ("seq reads", 109.3 / 387.2 / 37.1); a split program walking 2 or 4 KV chunks in one loop, as
     # FlashAttention-3's split heuristic sizes them ("programs of 2 / 4", 106.6 / 387.0 / 36.7 and
     # 111.7 / 395.2 / 51.6; slower still at B=1: 23.5 / 26.9 against 12.9 at 1k).
+    # "carry": the unsplit launch's page ids read a block ahead (_CARRY_PAGES; B=64 x 8k here, the
+    # split cases unchanged), off until timed (probe_attention's paged chunks too).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {k: v for k, v in DECODE_VARIANTS.items() if only is None or k in only}

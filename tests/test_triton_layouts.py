@@ -98,7 +98,7 @@ def attention_ttgir(*args, **kw):
 
 
 def attention_compiled(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(),
-                       hold=True, fold_half=None):
+                       hold=True, fold_half=None, carry=False):
     """The forward kernel compiled for the H200 in one launch form (TTGIR to cubin); divisible:
     the integer arguments the launcher would mark divisible by 16 (none unless named)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
@@ -107,7 +107,7 @@ def attention_compiled(paged, split, rows, warps, stages, fold_stages=None, off3
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
                  FOLD_STAGES=fold_stages or ta._FOLD_STAGES,
                  FOLD_HALF=ta._FOLD_HALF if fold_half is None else fold_half, OFF32=paged and off32, HOLD=hold,
-                 SEG=ta._FOLD_SEGMENT, LAST_FIRST=False)
+                 SEG=ta._FOLD_SEGMENT, LAST_FIRST=False, CARRY=carry)
     kernel = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
                           num_stages=stages)
     assert kernel.asm["cubin"]
@@ -227,6 +227,23 @@ def test_the_split_walk_prefetches_key_blocks_ahead(page, hold, ahead):
     num = walk_wait(attention_ttgir(True, True, *TRITON_TILES["attention"]["decode"], page=page,
                                     divisible=DECODE_STRIDES, hold=hold))
     assert (num > 0) == ahead, num
+
+
+@pytest.mark.parametrize("tile, held", [("forward", 2), ("decode", 3)])
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "read-in-loop"])
+def test_the_unsplit_paged_walk_prefetches_when_its_page_ids_are_carried(tile, held, carry, tmp_path):
+    """The unsplit paged walk (prefill over the cache, decode of many sequences) with its page ids
+    carried a block ahead (_CARRY_PAGES) keeps a block's copies in flight while one is computed (wait
+    num = 2 at 3 stages) and still fits 2 forward-tile programs an SM (112 KB of shared memory) or 3
+    decode-tile ones (70 KB); the companion, the ids read in the block's own iteration (the default
+    until timed), waits on every copy (num = 0) at 81 / 38 KB (2 programs an SM / 3 on Triton 3.6, 4 on
+    3.9, where the decode tile's registers allow it)."""
+    from consistent_ops.contract import TRITON_TILES
+    rows, warps, stages = TRITON_TILES["attention"][tile]
+    kernel = attention_compiled(True, False, rows, warps, stages, divisible=DECODE_STRIDES, carry=carry)
+    assert (walk_wait(kernel.asm["ttgir"]) == 2) == carry
+    programs = programs_an_sm(kernel, warps, tmp_path)
+    assert programs == held if carry else programs >= held
 
 
 def programs_an_sm(kernel, warps, tmp_path):

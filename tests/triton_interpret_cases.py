@@ -138,6 +138,47 @@ def test_page_sizes_give_the_same_bits(qkv, kv_chunks, page):
     assert torch.equal(got, train[order])
 
 
+@triton.jit
+def _block_pages_behind(first, seq, Table, stride_tab, tab_cols, KV: tl.constexpr, PAGE: tl.constexpr):
+    """_block_pages of the block before (the mutation the carried walk's companion runs)."""
+    RUNS: tl.constexpr = (KV + PAGE - 1) // PAGE
+    col = tl.maximum(first - KV, 0) // PAGE + tl.arange(0, RUNS)
+    return tl.load(Table + seq * stride_tab + tl.minimum(col, tab_cols - 1))
+
+
+def _carried_walk(page):
+    """Two sequences of 200 and 304 tokens through the unsplit paged walk in KV chunks of 64 keys:
+    chunked prefill (150 + 100 tokens, then 46 + 200), then 4 decode steps; (outputs in token order,
+    the trainer's)."""
+    lens = [200, 304]
+    q, k, v = rand(sum(lens), HQ, D, seed=4), rand(sum(lens), HKV, D, seed=5), rand(sum(lens), HKV, D, seed=6)
+    train = T.attention_varlen(q, k, v, _cu(lens))
+    c, got, done = Cache(page=page, pages=2 * -(-lens[1] // page)), {}, [0, 0]
+    for step in [(150, 100), (46, 200)] + [(1, 1)] * 4:
+        rows = [lens[0] * s + done[s] + i for s in (0, 1) for i in range(step[s])]
+        got.update(zip(rows, c.step(q[rows], k[rows], v[rows], [(0, step[0]), (1, step[1])])))
+        done = [done[0] + step[0], done[1] + step[1]]
+    return torch.stack([got[i] for i in range(sum(lens))]), train
+
+
+@pytest.mark.parametrize("page", [16, 32, 128, 48])
+def test_carried_page_ids_give_the_same_bits(page, monkeypatch):
+    """The unsplit paged walk reading a key block's page ids one block ahead (_CARRY_PAGES, the
+    probes' `carry`; off until timed) == the trainer's bits over chunked prefill and decode steps,
+    pages that split a key block (16, 32), hold several (128) or neither (48: per-key lookups, not
+    carried), NaN in every unwritten slot. Companion: carrying the block before's ids instead
+    gives other bits."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "KV_CHUNK", 64)
+    monkeypatch.setattr(ta, "_split_programs", lambda device: 0)
+    monkeypatch.setattr(ta, "_CARRY_PAGES", True)
+    got, train = _carried_walk(page)
+    assert torch.equal(got, train)
+    if page != 48:
+        monkeypatch.setattr(ta, "_block_pages", _block_pages_behind)
+        assert not torch.equal(_carried_walk(page)[0], train)
+
+
 @pytest.mark.parametrize("tile", [(16, 1, 3), (128, 8, 3)])
 def test_any_tile_gives_the_same_bits(qkv, tile):
     """Tiles of other row counts (16: the decode tile) == the forward tile, bit for bit, padding

@@ -81,7 +81,7 @@ def test_prefill_equals_train(qkv, train, page_size):
     assert_rows_equal(run_schedule(qkv, [[(s, 0, n) for s, n in enumerate(LENS)]], page_size), train)
 
 
-def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
+def _chunked_steps():
     """Seq 0 in 4096-token chunks; seqs 1 and 2 prefilled, then decoded one token per step
     inside the same batches as seq 0's chunks (mixed batches: 128-row tiles)."""
     a, b, c = LENS
@@ -91,7 +91,21 @@ def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
         if i < 3:
             step += [(1, b - 3 + i, b - 2 + i), (2, c - 3 + i, c - 2 + i)]
         steps.append(step)
-    assert_rows_equal(run_schedule(qkv, steps, 16), train)
+    return steps
+
+
+def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
+    assert_rows_equal(run_schedule(qkv, _chunked_steps(), 16), train)
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_carried_page_ids_equal_train(qkv, train, page_size, monkeypatch):
+    """The unsplit paged walk with its page ids read a block ahead (_CARRY_PAGES, off until timed):
+    chunked prefill mixed with decode == the trainer's bits on the MMAs too."""
+    from consistent_ops.triton import attention as ta
+    monkeypatch.setattr(ta, "_CARRY_PAGES", True)
+    monkeypatch.setattr(ta, "_split_programs", lambda device: 0)
+    assert_rows_equal(run_schedule(qkv, _chunked_steps(), page_size), train)
 
 
 @pytest.mark.parametrize("rows, warps", [(16, 4), (16, 1), (64, 4)])

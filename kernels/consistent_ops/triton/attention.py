@@ -117,6 +117,11 @@ _FOLD_HALF = True
 # ~6 us, ~0.1 us a step, of the H200's 93 us launch at B=4 x 32k); in one wave (B=1 x 32k) the chunks
 # arrive together and segments would only add their stores. The same bits either way.
 _FOLD_SEGMENT, _SEGMENT_PROGRAMS = 16, 2
+# The unsplit paged walk (prefill over the cache, decode of many sequences) reads a key block's page
+# ids in the block's own iteration, so the compiler waits on every K/V copy (sm_90: async_wait num
+# = 0); _CARRY_PAGES reads them a block ahead (_walk's CARRY: num > 0, more shared memory a program).
+# Off until timed against it on prefill chunks over a long cache and B=64 x 8k (probes `carry`).
+_CARRY_PAGES = False
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head, fold segment)
 # triples of any launch the threshold splits (fewer than 264 pairs on the H200, 5 segments at a
@@ -148,6 +153,15 @@ def _held_pages(seq, c, Table, stride_tab, tab_cols, CHUNK: tl.constexpr, PAGE: 
     col0 = (c * CHUNK) // PAGE
     ids = tl.load(Table + seq * stride_tab + tl.minimum(col0 + tl.arange(0, HELD), tab_cols - 1))
     return ids, col0
+
+
+@triton.jit
+def _block_pages(first, seq, Table, stride_tab, tab_cols, KV: tl.constexpr, PAGE: tl.constexpr):
+    """The table entries of the pages of the key block from position first (a page holds the
+    block, or the block is whole pages: RUNS runs of consecutive keys), the column clamped into
+    the table (the carried walk reads one block past its last)."""
+    RUNS: tl.constexpr = (KV + PAGE - 1) // PAGE
+    return tl.load(Table + seq * stride_tab + tl.minimum(first // PAGE + tl.arange(0, RUNS), tab_cols - 1))
 
 
 @triton.jit
@@ -241,21 +255,33 @@ def _fresh(ROWS: tl.constexpr, D: tl.constexpr):
 def _walk(facc, fm, fl, acc, m, l, j_lo, j_hi, q, qpos, seq, seq_len, row0, K, V, stride_k, stride_v, Table,
           stride_tab, tab_cols, pages, qk_scale, col, held, col0, ROWS: tl.constexpr, D: tl.constexpr,
           KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, TMA: tl.constexpr,
-          OFF32: tl.constexpr, MASK: tl.constexpr, FOLD: tl.constexpr, HOLD: tl.constexpr):
+          OFF32: tl.constexpr, MASK: tl.constexpr, FOLD: tl.constexpr, HOLD: tl.constexpr,
+          CARRY: tl.constexpr = False):
     """Key blocks j_lo .. j_hi - 1 of the contract's walk, in ONE loop (a loop a chunk would restart
     the software pipeline every CHUNK // KV blocks). FOLD: at the first block of every chunk but
     chunk 0, the state (acc, m, l) of the chunk before is folded into (facc, fm, fl) and restarts;
     else the blocks lie in one chunk and (facc, fm, fl) pass through. HOLD: the blocks lie in one
-    chunk whose page ids are held (_held_pages: held, col0)."""
+    chunk whose page ids are held (_held_pages: held, col0). CARRY (unmasked paged blocks of whole
+    pages or within one): block j + 1's page ids are read in block j's iteration and carried to the
+    next, so no K/V address waits on a load of its own iteration and the software pipeline can keep
+    copies in flight; the same ids, so the same rows and bits."""
     offs = tl.arange(0, KV)
+    if CARRY:
+        ids = _block_pages(j_lo * KV, seq, Table, stride_tab, tab_cols, KV, PAGE)
     for j in range(j_lo, j_hi):
         if FOLD:
             if (j > 0) & (j % (CHUNK // KV) == 0):
                 facc, fm, fl = _fold(facc, fm, fl, acc, m, l)
                 acc, m, l = _fresh(ROWS, D)
         kpos = j * KV + offs
-        krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages, held, col0,
-                           KV, PAGE, PAGED, TMA, OFF32, MASK, HOLD)
+        if CARRY:   # this block's ids as a held set of its own columns (_key_rows picks each run's)
+            nxt = _block_pages((j + 1) * KV, seq, Table, stride_tab, tab_cols, KV, PAGE)
+            krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages, ids,
+                               (j * KV) // PAGE, KV, PAGE, PAGED, TMA, OFF32, MASK, True)
+            ids = nxt
+        else:
+            krow = _block_rows(kpos, seq, seq_len, row0, j * KV, col, Table, stride_tab, tab_cols, pages, held, col0,
+                               KV, PAGE, PAGED, TMA, OFF32, MASK, HOLD)
         acc, m, l = _attend_block(acc, m, l, q, K, V, krow, stride_k, stride_v, kpos, qpos, seq_len,
                                   qk_scale, D, MASK, TMA)
     return facc, fm, fl, acc, m, l
@@ -305,17 +331,19 @@ def _fold(facc, fm, fl, acc, m, l):
 def _attend_tile(q, qpos, seq, seq_len, row0, first_pos, last_pos, K, V, stride_k, stride_v,
                  Table, stride_tab, tab_cols, pages, qk_scale, col, ROWS: tl.constexpr, D: tl.constexpr,
                  KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                 TMA: tl.constexpr, OFF32: tl.constexpr):
+                 TMA: tl.constexpr, OFF32: tl.constexpr, CARRY_PAGES: tl.constexpr):
     """The contract's walk over key blocks 0, 1, ... for a tile whose query positions
     lie in [first_pos, last_pos], chunk by chunk, folded in order. Returns the unnormalised
-    acc, the row max m and sum l of the fold."""
+    acc, the row max m and sum l of the fold. CARRY_PAGES: the unmasked blocks' page ids carried
+    one block ahead (_walk's CARRY) where a block is whole pages or lies in one."""
     n_full = (first_pos + 1) // KV      # blocks every row sees entirely: the mask is a no-op
     n_blocks = last_pos // KV + 1       # later blocks are invisible to every row of the tile
     facc, fm, fl = _fresh(ROWS, D)
     acc, m, l = _fresh(ROWS, D)
+    CARRY: tl.constexpr = CARRY_PAGES and (PAGED and (KV % PAGE == 0 or PAGE % KV == 0))
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, 0, n_full, q, qpos, seq, seq_len, row0, K, V, stride_k,
                                     stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS, D, KV,
-                                    CHUNK, PAGE, PAGED, TMA, OFF32, False, True, False)
+                                    CHUNK, PAGE, PAGED, TMA, OFF32, False, True, False, CARRY)
     facc, fm, fl, acc, m, l = _walk(facc, fm, fl, acc, m, l, n_full, n_blocks, q, qpos, seq, seq_len, row0, K, V,
                                     stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, col, 0, 0, ROWS,
                                     D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, True, True, False)
@@ -396,7 +424,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
                      FOLD_STAGES: tl.constexpr, FOLD_HALF: tl.constexpr, OFF32: tl.constexpr,
-                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr):
+                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr, CARRY: tl.constexpr):
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance; the
     # sequences' lengths read beside their offsets, so the tile's setup waits on no load
     i, firsts, lens = _seq_lens(QStart, S, SB)
@@ -454,7 +482,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
     else:
         acc, m, l = _attend_tile(q, qpos, seq, seq_len, q0.to(tl.int64), first_pos, last_pos, Kh, Vh,
                                  stride_k, stride_v, Table, stride_tab, tab_cols, pages, qk_scale, kvh * D, ROWS,
-                                 D, KV, CHUNK, PAGE, PAGED, TMA, OFF32)
+                                 D, KV, CHUNK, PAGE, PAGED, TMA, OFF32, CARRY)
     # 4. out = acc / l (IEEE division), rounded to the input dtype
     _store_out(O, qrow, head, stride_ot, stride_oh, acc, l, store, D)
     if STORE_LSE:  # log-sum-exp for the backward's recomputation of p
@@ -840,7 +868,7 @@ def _fits_int32(*caches):
 
 def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=None, tma=None, split=None,
              chunk=None, fold_stages=None, fold_half=None, off32=None, hold=True, fold_segment=None,
-             last_first=False):
+             last_first=False, carry=None):
     """Launch the one forward kernel. k/v: packed [T, Hkv, D] (seq_lens, table None) or caches
     [pages, page, Hkv, D]. tile: (rows, warps, stages) instead of the one forward tile; tma: bulk
     copies of packed K/V on or off; split: one program per KV chunk on or off (paged; probes and
@@ -850,7 +878,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     off32: the cache's offsets as int32 on or off (default: on where they fit; the same bits); hold:
     the split walk's page ids read before its loop (_held_pages) or in it (probes: the same bits);
     fold_segment: chunks a segment of the split fold (0: one segment; probes and tests: the same
-    bits); last_first: chunk programs numbered from the last chunk (tests: the same bits)."""
+    bits); last_first: chunk programs numbered from the last chunk (tests: the same bits); carry:
+    the unsplit paged walk's page ids read a block ahead (default _CARRY_PAGES; the same bits)."""
     g = _check(q, k.shape[-2])
     # decode steps: no more tokens than sequences (vLLM's graph padding adds requests of 0 tokens);
     # CUDA only: the tiles' equal bits are an NVIDIA MMA layout fact (triton-ascend keeps one tile)
@@ -901,7 +930,8 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         STORE_LSE=lse is not None, SB=sb, TMA=tma, SPLIT=split, FOLD_STAGES=fold_stages or _FOLD_STAGES,
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
         OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
-        SEG=fold_segment if split else 0, LAST_FIRST=last_first, num_warps=warps, num_stages=stages,
+        SEG=fold_segment if split else 0, LAST_FIRST=last_first, CARRY=_CARRY_PAGES if carry is None else carry,
+        num_warps=warps, num_stages=stages,
         **EXACT)
     return o
 
