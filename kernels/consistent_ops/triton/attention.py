@@ -931,8 +931,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
         OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
         SEG=fold_segment if split else 0, LAST_FIRST=last_first, CARRY=_CARRY_PAGES if carry is None else carry,
-        num_warps=warps, num_stages=stages,
-        **EXACT)
+        num_warps=warps, num_stages=stages, **EXACT)
     return o
 
 
