@@ -27,7 +27,7 @@ import consistent_ops as co  # noqa: E402
 from interpreter_bf16 import fix_interpreter_bf16  # noqa: E402
 import consistent_ops.reference as R  # noqa: E402
 import consistent_ops.triton as T  # noqa: E402
-from consistent_ops.triton.attention import _chunk_ptrs, _ds_before, _fold  # noqa: E402
+from consistent_ops.triton.attention import _block_pages, _chunk_ptrs, _ds_before, _fold  # noqa: E402
 
 
 fix_interpreter_bf16()
@@ -141,9 +141,7 @@ def test_page_sizes_give_the_same_bits(qkv, kv_chunks, page):
 @triton.jit
 def _block_pages_behind(first, seq, Table, stride_tab, tab_cols, KV: tl.constexpr, PAGE: tl.constexpr):
     """_block_pages of the block before (the mutation the carried walk's companion runs)."""
-    RUNS: tl.constexpr = (KV + PAGE - 1) // PAGE
-    col = tl.maximum(first - KV, 0) // PAGE + tl.arange(0, RUNS)
-    return tl.load(Table + seq * stride_tab + tl.minimum(col, tab_cols - 1))
+    return _block_pages(tl.maximum(first - KV, 0), seq, Table, stride_tab, tab_cols, KV, PAGE)
 
 
 def _carried_walk(page):
@@ -166,8 +164,9 @@ def test_carried_page_ids_give_the_same_bits(page, monkeypatch):
     """The unsplit paged walk reading a key block's page ids one block ahead (_CARRY_PAGES, the
     probes' `carry`; off until timed) == the trainer's bits over chunked prefill and decode steps,
     pages that split a key block (16, 32), hold several (128) or neither (48: per-key lookups, not
-    carried), NaN in every unwritten slot. Companion: carrying the block before's ids instead
-    gives other bits."""
+    carried), NaN in every unwritten slot. Companion: a _block_pages reading the block before's ids
+    (the lookup the carried walk and the per-block one share) gives other bits; that the carried
+    walk is what runs, the sm_90 compile shows (test_triton_layouts: wait num 2 with it, 0 without)."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "KV_CHUNK", 64)
     monkeypatch.setattr(ta, "_split_programs", lambda device: 0)

@@ -187,7 +187,7 @@ def _key_rows(kpos, first, seq, seq_len, row0, Table, stride_tab, tab_cols, page
                 cols = col0 + tl.arange(0, held.shape[0])
                 page = tl.sum(tl.where(col[:, None] == cols[None, :], held[None, :], 0), 1)
             else:
-                page = tl.load(Table + seq * stride_tab + tl.minimum(col, tab_cols - 1))
+                page = _block_pages(first, seq, Table, stride_tab, tab_cols, KV, PAGE)
             start = _page_start(page, pages, PAGE, OFF32) + first % PAGE
             row = tl.reshape(start[:, None] + tl.arange(0, KV // RUNS)[None, :], [KV])
         else:
