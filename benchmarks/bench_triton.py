@@ -463,8 +463,9 @@ def probe_attention():
     copies of packed K/V)) at S=16k x1, 8k x2 and 4k x4 (varlen) and a 2k chunk at context 8k
     and 30k (paged: pointer loads always); 128-row tiles (the same bits since the integer row sum, so a
     training tile of its own would be a speed choice: H100 2026-12-06, no faster with TMA); KV chunks
-    of 256 keys (a contract change, other bits); the unsplit paged walk's page ids carried a block
-    ahead (`carry`: its chunks over a cache of 8k and 30k, what a multi-turn prefill attends)."""
+    of 256 keys (a contract change, other bits); the unsplit paged walk's page ids read in a block's
+    own iteration, not carried a block ahead (`carry=False`: its chunks over a cache of 8k and 30k,
+    what a multi-turn prefill attends; H100 2026-12-07: 0.825 / 2.918 ms against 0.828 / 2.869)."""
     from consistent_ops.triton import attention as ta
     from harness import PagedKV
     chunk, scale, runs = 2048, D ** -0.5, {}
@@ -482,12 +483,12 @@ def probe_attention():
             lambda q=q, k=k, v=v, cu=cu, lse=lse, **kw:
             (ta._forward(q, k, v, cu, None, None, scale, False, lse=lse, **kw), lse.clone()))
     _probe_variants("attention fwd", runs, (dict(), dict(tma=False), dict(tile=(64, 4, 2)), dict(tile=(128, 8, 3)),
-                                            dict(tile=(128, 8, 4)), dict(chunk=256), dict(carry=True)))
+                                            dict(tile=(128, 8, 4)), dict(chunk=256), dict(carry=False)))
 
 
 DECODE_VARIANTS = {"default": {}, "one segment": dict(fold_segment=0), "segments 8": dict(fold_segment=8),
                    "segments 32": dict(fold_segment=32), "full fold": dict(fold_half=False),
-                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "carry": dict(carry=True)}
+                   "stages 4": dict(tile=(16, 4, 4)), "chunk 256": dict(chunk=256), "no carry": dict(carry=False)}
 DECODE_CASES = ((1, 1024), (1, 8192), (1, 32768), (2, 32768), (4, 8192), (4, 32768), (16, 32768), (64, 8192))
 
 
@@ -519,8 +520,8 @@ def probe_decode_split(cases=DECODE_CASES, only=None, width=None):
     # ("seq reads", 109.3 / 387.2 / 37.1); a split program walking 2 or 4 KV chunks in one loop, as
     # FlashAttention-3's split heuristic sizes them ("programs of 2 / 4", 106.6 / 387.0 / 36.7 and
     # 111.7 / 395.2 / 51.6; slower still at B=1: 23.5 / 26.9 against 12.9 at 1k).
-    # "carry": the unsplit launch's page ids read a block ahead (_CARRY_PAGES; B=64 x 8k here, the
-    # split cases unchanged), off until timed (probe_attention's paged chunks too).
+    # "no carry": the unsplit launch's page ids read in a block's own iteration, not a block ahead
+    # (_CARRY_PAGES; B=64 x 8k here, the split cases unchanged; H100 2026-12-07: 368.2 against 363.3 us).
     # "cold": the same launch after a read of COLD_BYTES (K/V out of L2, as in a model step), less
     # that read's own time.
     variants = {k: v for k, v in DECODE_VARIANTS.items() if only is None or k in only}

@@ -39,7 +39,7 @@ def test_bench_triton_names_an_unknown_section_before_the_device():
     (["--cases", "4by32768"], "--cases '4by32768': expected B x context pairs such as 4x32768,1x1024"),
     (["--variants", "default,seq read"], "--variants 'default,seq read': 'seq read' is not a variant; choose from "
                                          "default, one segment, segments 8, segments 32, full fold, stages 4, "
-                                         "chunk 256, carry"),
+                                         "chunk 256, no carry"),
 ])
 def test_bench_triton_names_a_bad_decode_case_or_variant_before_the_device(args, error):
     assert _run("benchmarks/bench_triton.py", "--only", "probe_decode_split", *args) == (

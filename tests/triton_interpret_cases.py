@@ -159,18 +159,19 @@ def _carried_walk(page):
     return torch.stack([got[i] for i in range(sum(lens))]), train
 
 
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "read-in-loop"])
 @pytest.mark.parametrize("page", [16, 32, 128, 48])
-def test_carried_page_ids_give_the_same_bits(page, monkeypatch):
+def test_carried_page_ids_give_the_same_bits(page, carry, monkeypatch):
     """The unsplit paged walk reading a key block's page ids one block ahead (_CARRY_PAGES, the
-    probes' `carry`; off until timed) == the trainer's bits over chunked prefill and decode steps,
-    pages that split a key block (16, 32), hold several (128) or neither (48: per-key lookups, not
-    carried), NaN in every unwritten slot. Companion: a _block_pages reading the block before's ids
-    (the lookup the carried walk and the per-block one share) gives other bits; that the carried
-    walk is what runs, the sm_90 compile shows (test_triton_layouts: wait num 2 with it, 0 without)."""
+    default) or in the block's own iteration (the probes' `no carry`) == the trainer's bits over
+    chunked prefill and decode steps, pages that split a key block (16, 32), hold several (128) or
+    neither (48: per-key lookups, not carried), NaN in every unwritten slot. Companion: a
+    _block_pages reading the block before's ids (the lookup both walks share) gives other bits; which
+    walk runs, the sm_90 compile shows (test_triton_layouts: wait num 2 carried, 0 read in the loop)."""
     from consistent_ops.triton import attention as ta
     monkeypatch.setattr(ta, "KV_CHUNK", 64)
     monkeypatch.setattr(ta, "_split_programs", lambda device: 0)
-    monkeypatch.setattr(ta, "_CARRY_PAGES", True)
+    monkeypatch.setattr(ta, "_CARRY_PAGES", carry)
     got, train = _carried_walk(page)
     assert torch.equal(got, train)
     if page != 48:

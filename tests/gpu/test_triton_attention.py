@@ -98,12 +98,14 @@ def test_chunked_prefill_mixed_with_decode_equals_train(qkv, train):
     assert_rows_equal(run_schedule(qkv, _chunked_steps(), 16), train)
 
 
+@pytest.mark.parametrize("carry", [True, False], ids=["carried", "read-in-loop"])
 @pytest.mark.parametrize("page_size", [16, 128])
-def test_carried_page_ids_equal_train(qkv, train, page_size, monkeypatch):
-    """The unsplit paged walk with its page ids read a block ahead (_CARRY_PAGES, off until timed):
-    chunked prefill mixed with decode == the trainer's bits on the MMAs too."""
+def test_carried_page_ids_equal_train(qkv, train, page_size, carry, monkeypatch):
+    """The unsplit paged walk with its page ids read a block ahead (_CARRY_PAGES, the default) or in
+    the block's own iteration (the probes' `no carry`): chunked prefill mixed with decode == the
+    trainer's bits on the MMAs too."""
     from consistent_ops.triton import attention as ta
-    monkeypatch.setattr(ta, "_CARRY_PAGES", True)
+    monkeypatch.setattr(ta, "_CARRY_PAGES", carry)
     monkeypatch.setattr(ta, "_split_programs", lambda device: 0)
     assert_rows_equal(run_schedule(qkv, _chunked_steps(), page_size), train)
 
