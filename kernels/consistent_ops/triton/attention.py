@@ -117,11 +117,12 @@ _FOLD_HALF = True
 # ~6 us, ~0.1 us a step, of the H200's 93 us launch at B=4 x 32k); in one wave (B=1 x 32k) the chunks
 # arrive together and segments would only add their stores. The same bits either way.
 _FOLD_SEGMENT, _SEGMENT_PROGRAMS = 16, 2
-# The unsplit paged walk (prefill over the cache, decode of many sequences) reads a key block's page
-# ids in the block's own iteration, so the compiler waits on every K/V copy (sm_90: async_wait num
+# The unsplit paged walk (prefill over the cache, decode of many sequences): a key block's page ids
+# read in the block's own iteration make the compiler wait on every K/V copy (sm_90: async_wait num
 # = 0); _CARRY_PAGES reads them a block ahead (_walk's CARRY: num > 0, more shared memory a program).
 # H100 (2026-12-07, probes `no carry`): a 2k prefill chunk over a 30k cache 2.869 against 2.918 ms,
-# over 8k 0.828 against 0.825 (a tie), B=64 x 8k decode 362.0 against 368.0 us; the same bits.
+# over 8k 0.828 against 0.825 (a tie), B=64 x 8k decode 362.0 / 363.3 against 368.0 / 368.2 us (two
+# calls); the same bits.
 _CARRY_PAGES = True
 # The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
 # use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head, fold segment)
