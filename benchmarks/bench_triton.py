@@ -427,10 +427,14 @@ def probe_linear_mid():
     """Decode batches of 64 and 256 sequences (M 64 / 256), cold as in a step, where the tiles in use
     trail cuBLAS at M=256 (H100 2026-12-06, `linear`: qkv 0.79x, o_proj 0.64x; they were picked from
     warm replays): the 64-row tiles of every width (more programs: 128-256 at o_proj's N 2048) and
-    the 128-row ones, against the tile in use."""
+    the 128-row ones, against the tile in use; and deeper pipelines of the 128-row tiles (cold, a
+    tile's weight reads wait on HBM: H100 2026-12-07, qkv M=256 in use 12.6 us warm, 16.7 cold, cuBLAS
+    12.0 / 13.8). Warp-specialized tiles (Triton 3.6) were slower or hung (RESULTS.md session 38)."""
     tiles = [(64, bn, bk, 1, 4, st, True) for bn, bk, st in ((16, 128, 6), (32, 128, 4), (64, 64, 6),
                                                              (64, 128, 4), (128, 128, 3), (128, 64, 4))]
     tiles += [(128, 64, 64, 8, 4, 4, True), (128, 128, 64, 8, 8, 4, True), (64, 128, 128, 8, 4, 3, True)]
+    tiles += [(128, 64, 64, 8, 4, 6, True), (128, 64, 128, 8, 4, 3, True), (128, 64, 128, 8, 4, 4, True),
+              (128, 128, 64, 8, 8, 6, True), (256, 64, 64, 8, 8, 4, True)]
     probe_linear_decode((64, 256), tiles, DECODE_SHAPES[:2])
 
 
