@@ -20,8 +20,8 @@
 #           checkpoint of config and tokenizer alone at $GPU_VLLM_TAIL_MODEL, weights drawn by vLLM
 #           (--load-format dummy, each engine its own); $GPU_VLLM_CASES (BxCONTEXT,...) narrows the
 #           cases (61 GB of weights: on an H100 at the default 0.85 of its memory B=4 x 32k and 16 x 32k
-#           are skipped, too big for the KV cache; GPU_VLLM_MEM=0.95 should hold 4 x 32k, by arithmetic, not
-#           yet run; on the H200 all fit)
+#           are skipped, too big for the KV cache; GPU_VLLM_MEM=0.95 holds 4 x 32k (H100, 2026-12-07); on
+#           the H200 all fit)
 # $GPU_VLLM_MEM: vLLM's gpu_memory_utilization for every benchmark step (bench_vllm_gpu.py's default 0.85).
 # Exit status: non-zero if a step failed or a plugin check found a difference.
 set -uo pipefail
