@@ -22,6 +22,7 @@ import time
 import torch
 
 import consistent_ops as co
+from consistent_ops.triton import common as triton_common
 from bench_vllm_gpu import _parse_cases
 from harness import GraphRunner, ModelRunner, build_hf_model, build_model
 from true_on_policy.models.qwen3 import fuse
@@ -317,7 +318,8 @@ def main():
     torch.manual_seed(0)
     bw = copy_bandwidth()
     META.update(date=str(datetime.date.today()), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                contract=co.contract_fingerprint(), copy_tbs=round(bw, 3), layers=args.layers)
+                contract=co.contract_fingerprint(), copy_tbs=round(bw, 3), layers=args.layers,
+                pdl=triton_common.PDL)   # programmatic dependent launch (CONSISTENT_OPS_PDL=0: off)
     print(f"# {META}", flush=True)
     model = build_model(layers=args.layers)
     same = check_full_depth(model)

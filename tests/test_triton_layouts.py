@@ -98,7 +98,7 @@ def attention_ttgir(*args, **kw):
 
 
 def attention_compiled(paged, split, rows, warps, stages, fold_stages=None, off32=True, page=16, divisible=(),
-                       hold=True, fold_half=None, carry=False):
+                       hold=True, fold_half=None, carry=False, pdl=False):
     """The forward kernel compiled for the H200 in one launch form (TTGIR to cubin); divisible:
     the integer arguments the launcher would mark divisible by 16 (none unless named)."""
     from consistent_ops.contract import KV_BLOCK, KV_CHUNK
@@ -107,9 +107,9 @@ def attention_compiled(paged, split, rows, warps, stages, fold_stages=None, off3
                  PAGED=paged, STORE_LSE=not paged, SB=16, TMA=False, SPLIT=split,
                  FOLD_STAGES=fold_stages or ta._FOLD_STAGES,
                  FOLD_HALF=ta._FOLD_HALF if fold_half is None else fold_half, OFF32=paged and off32, HOLD=hold,
-                 SEG=ta._FOLD_SEGMENT, LAST_FIRST=False, CARRY=carry)
+                 SEG=ta._FOLD_SEGMENT, LAST_FIRST=False, CARRY=carry, PDL=pdl)
     kernel = compile_h200(ta._attn_fwd_kernel, ATTN_TYPES, const, set(divisible), num_warps=warps,
-                          num_stages=stages)
+                          num_stages=stages, launch_pdl=pdl)
     assert kernel.asm["cubin"]
     return kernel
 
@@ -316,3 +316,67 @@ def test_the_expert_kernels_compile_in_either_grid_order(axis):
     router = compile_h200(moe._route_kernel, {"L": "*fp32", "Ids": "*i64", "W": "*fp32"},
                           dict(TOPK=8, KB=8, NORM=True, BLOCK=128), set(), num_warps=moe._SOFTMAX_WARPS)
     assert router.asm["cubin"]
+
+
+def _kernels():
+    """Every launched kernel of the Triton backend (its @triton.jit functions named *_kernel)."""
+    import importlib
+    import pkgutil
+
+    import consistent_ops.triton as pkg
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        m = importlib.import_module(f"{pkg.__name__}.{mod.name}")
+        for name, obj in vars(m).items():
+            if name.endswith("_kernel") and isinstance(obj, triton.runtime.JITFunction):
+                yield f"{mod.name}.{name}", obj
+
+
+def test_every_kernel_waits_for_the_previous_launch_first():
+    """Programmatic dependent launch is safe only where a kernel touches no memory before its wait:
+    every kernel takes PDL (constexpr, default off) and its first statement is pdl_enter(PDL); off the
+    GPU a launch asks for none."""
+    import ast
+
+    import torch
+
+    from consistent_ops.triton.common import launch
+    assert launch(torch.zeros(1)) == dict(EXACT, PDL=False) and launch(torch.zeros(1), fusion=True) == dict(PDL=False)
+    found = dict(_kernels())
+    assert len(found) >= 25, sorted(found)
+    for name, k in found.items():
+        last = k.params[-1]
+        assert (last.name, last.is_constexpr, last.default) == ("PDL", True, False), name
+        body = ast.parse(k.src).body[0].body
+        first = body[1] if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else body[0]
+        assert ast.unparse(first) == "pdl_enter(PDL)", name
+
+
+def _ptx_ops(kernel):
+    """The PTX instructions of a compiled kernel, in order, without comments and debug lines."""
+    lines = (ln.split("//")[0].strip() for ln in kernel.asm["ptx"].splitlines())
+    return [ln for ln in lines if ln and not ln.startswith((".loc", "."))]
+
+
+MEMORY_OPS = ("ld.global", "st.global", "cp.async", "atom.", "red.")
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_wait_compiles_before_any_global_memory_op(pdl):
+    """With PDL on, the GEMM and the split decode attention (atomics, async copies) compile the
+    grid-dependency wait, then the trigger, before their first global load, store or atomic; off
+    (the companion), neither instruction is there."""
+    from consistent_ops.triton import gemm
+    gemm_kernel = compile_h200(gemm._gemm_kernel, {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Y": "*bf16"},
+                               dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", TMA=False, BLOCK_M=64,
+                                    BLOCK_N=64, BLOCK_K=64, GROUP_M=1, PDL=pdl),
+                               {"stride_xm", "stride_wn", "stride_ym", "K", "N"}, num_warps=4, num_stages=4,
+                               launch_pdl=pdl)
+    for kernel in (gemm_kernel, attention_compiled(True, True, 16, 4, 3, pdl=pdl)):
+        ops = _ptx_ops(kernel)
+        grid = [i for i, op in enumerate(ops) if op.startswith("griddepcontrol")]
+        memory = next(i for i, op in enumerate(ops) if op.startswith(MEMORY_OPS))
+        if pdl:
+            assert [ops[i].rstrip(";") for i in grid] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+            assert grid[1] < memory
+        else:
+            assert grid == []

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import consistent_ops as co  # noqa: E402
+from consistent_ops.triton import common  # noqa: E402
 from harness import GraphRunner, ModelRunner, build_model  # noqa: E402
 
 co.set_backend("triton")
@@ -71,6 +72,25 @@ def test_graph_replays_equal_eager_and_trainer(model, tokens, train_logits):
                                co.token_logprobs(train[rows], nxt, TEMP, VLIM))
         checked += len(step)
     assert checked == DECODE * len(LENS)            # every decoded token, through graphs of sizes 1, 4 and 8
+
+
+def test_programmatic_launch_keeps_the_bits(model, tokens, monkeypatch):
+    """Programmatic dependent launch (common.PDL, on by default on sm_90+) moves when a kernel's
+    programs start, not what they read: graph replays captured with it and without it give the same
+    logits, bit for bit, step by step."""
+    on = common.launch(tokens[0]).get("launch_pdl", False)
+    if not on:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    prefill = [(s, tokens[s][:n - DECODE]) for s, n in enumerate(LENS)]
+    runs = []
+    for pdl in (True, False):
+        monkeypatch.setattr(common, "PDL", pdl)
+        runner = ModelRunner(model, seed=5)
+        runner.step(prefill)
+        graphs = GraphRunner(runner, sizes=(1, 4, 8))
+        runs.append([graphs.step([(s, tokens[s][p:p + 1]) for s, p in step]) for step in schedule()])
+    for step, with_pdl, without in zip(schedule(), *runs):
+        assert torch.equal(with_pdl, without), f"PDL on != off at {step}"
 
 
 def test_mixed_batch_graph_replays_equal_eager_and_trainer(model, tokens, train_logits):

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..contract import KV_BLOCK, KV_CHUNK, TRITON_ATTENTION_SUM_BITS, TRITON_TILES, attention_scale
 from . import gemm
-from .common import EXACT
+from .common import launch, pdl_enter
 
 log = logging.getLogger("consistent_ops")
 
@@ -426,7 +426,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, WAcc, WML, Count, QStart, SeqLen, Table, S
                      KV: tl.constexpr, CHUNK: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                      STORE_LSE: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr,
                      FOLD_STAGES: tl.constexpr, FOLD_HALF: tl.constexpr, OFF32: tl.constexpr,
-                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr, CARRY: tl.constexpr):
+                     HOLD: tl.constexpr, SEG: tl.constexpr, LAST_FIRST: tl.constexpr, CARRY: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # 1. which tile: latest tiles (longest walks) launch first for causal load balance; the
     # sequences' lengths read beside their offsets, so the tile's setup waits on no load
     i, firsts, lens = _seq_lens(QStart, S, SB)
@@ -597,8 +599,9 @@ def _fold_states(WAcc, WML, qrow, head, valid, T, HQ, chunks, first, end, D: tl.
 
 
 @triton.jit
-def _bwd_delta_kernel(O, DO, Delta, rows_total, D: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_delta_kernel(O, DO, Delta, rows_total, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """delta = rowsum(dO * O) in fp32 for BLOCK (token, head) rows (o, dO contiguous)."""
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ptr = r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
     inb = r < rows_total
@@ -699,7 +702,7 @@ def _part_block(j, c, kvh, fb, chunks, hkv, part_blocks, BLOCK_N: tl.constexpr, 
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, stride_t, stride_kt, part_blocks,
                      ds_blocks, qk_scale, G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, HQ: tl.constexpr, QT: tl.constexpr, SB: tl.constexpr,
-                     TMA: tl.constexpr, QDO_TMA: tl.constexpr):
+                     TMA: tl.constexpr, QDO_TMA: tl.constexpr, PDL: tl.constexpr = False):
     """fp32 partial dK, dV of one key block over the query tiles of one chunk of QT tiles
     (tiles walked in ascending order, no atomics) at Part[0 / 1, chunk], and the pairs' dS
     blocks for the dQ kernel. One launch covers the tiles u0 <= t < u1 (a window: its dS
@@ -707,6 +710,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
     its earlier window stored (same order, same bits). _sum_parts_kernel adds a block's
     chunks in ascending order. Chunks split the long walks of early key blocks into more
     programs (few long sequences still fill the GPU)."""
+    pdl_enter(PDL)
     i, _, lens = _seq_lens(Cu, S, SB)
     seen = tl.where((lens + TPT - 1) // TPT > u0, (tl.minimum(lens, u1 * TPT) + BLOCK_N - 1) // BLOCK_N, 0)
     seq, blk = _flat_index(tl.program_id(0), i, seen)
@@ -763,9 +767,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, Part, DS, Cu, S, u0, u1, chunks, s
 @triton.jit
 def _bwd_dq_kernel(DS, K, DQ, Cu, S, u0, u1, stride_t, stride_kt, ds_blocks, scale,
                    G: tl.constexpr, TPT: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr):
+                   BLOCK_N: tl.constexpr, SB: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr = False):
     """dQ of one query tile u0 <= t < u1 (the window): its dS blocks (written by the dK/dV
     kernel) times K, key blocks walked from 0 in order into one fp32 accumulator."""
+    pdl_enter(PDL)
     i, _, lens = _seq_lens(Cu, S, SB)
     tiles = tl.maximum(tl.minimum((lens + TPT - 1) // TPT, u1) - u0, 0)
     seq, w_t = _flat_index(tl.num_programs(0) - 1 - tl.program_id(0), i, tiles)   # long walks first
@@ -792,9 +797,11 @@ def _bwd_dq_kernel(DS, K, DQ, Cu, S, u0, u1, stride_t, stride_kt, ds_blocks, sca
 
 @triton.jit
 def _sum_parts_kernel(Part, Out, Cu, S, chunks, stride_kt, stride_out, scale, TPT: tl.constexpr,
-                      D: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, SB: tl.constexpr):
+                      D: tl.constexpr, BLOCK_N: tl.constexpr, QT: tl.constexpr, SB: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """dK (axis 2 = 0, times the logit scale) or dV (1) of one key block: the partials of the
     chunks that see it added in ascending chunk order, rounded once to the output dtype."""
+    pdl_enter(PDL)
     seq, blk = _flat_tile(tl.program_id(0), Cu, S, BLOCK_N, SB)
     if seq >= S:
         return
@@ -933,7 +940,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
         FOLD_HALF=_FOLD_HALF if fold_half is None else fold_half,
         OFF32=paged and (_fits_int32(k, v) if off32 is None else off32), HOLD=hold,
         SEG=fold_segment if split else 0, LAST_FIRST=last_first, CARRY=_CARRY_PAGES if carry is None else carry,
-        num_warps=warps, num_stages=stages, **EXACT)
+        num_warps=warps, num_stages=stages, **launch(q))
     return o
 
 
@@ -1000,7 +1007,7 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None, qchunk=None)
     qt, chunks = _query_chunks(t, tpt, 2 * hkv * part_blocks * keys * d * 4, *(qchunk or ()))   # fp32 dK, dV
     delta = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(triton.cdiv(t * hq, _DELTA_ROWS),)](o, do, delta, t * hq, D=d, BLOCK=_DELTA_ROWS,
-                                                           num_warps=_DELTA_WARPS)
+                                                           num_warps=_DELTA_WARPS, **launch(o, fusion=True))
     windows = _ds_windows(t, s, tpt, keys, qt, keys * rows * q.element_size() * hkv, _DS_BYTES)
     ds_blocks = max((w[2] for w in windows), default=1)
     ds = torch.empty((hkv * ds_blocks * keys, rows), dtype=q.dtype, device=q.device)
@@ -1015,14 +1022,14 @@ def _backward(q, k, v, o, lse, do, cu, scale, tiles=None, tma=None, qchunk=None)
         _bwd_dkdv_kernel[(kv_programs, triton.cdiv(u1, qt) - u0 // qt, hkv)](
             qa, k, v, doa, lse, delta, part, dsa, cu, s, u0, u1, chunks, q.stride(0), k.stride(0), part_blocks,
             ds_blocks, scale * _LOG2E, G=g, TPT=tpt, ROWS=rows, D=d, BLOCK_N=keys, HQ=hq, QT=qt,
-            SB=sb, TMA=tma, QDO_TMA=qdo_tma, num_warps=warps, num_stages=stages, **EXACT)
+            SB=sb, TMA=tma, QDO_TMA=qdo_tma, num_warps=warps, num_stages=stages, **launch(q))
         _bwd_dq_kernel[(q_programs, hkv)](
             dsa, k, dq, cu, s, u0, u1, q.stride(0), k.stride(0), ds_blocks, scale,
             G=g, TPT=tpt, ROWS=rows, D=d, BLOCK_N=keys, SB=sb, TMA=tma, num_warps=dq_warps,
-            num_stages=dq_stages, **EXACT)
+            num_stages=dq_stages, **launch(ds))
     dkv = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
     _sum_parts_kernel[(part_blocks, hkv, 2)](part, dkv, cu, s, chunks, k.stride(0), k.numel(), scale, TPT=tpt,
-                                          D=d, BLOCK_N=keys, QT=qt, SB=sb, num_warps=4)
+                                          D=d, BLOCK_N=keys, QT=qt, SB=sb, num_warps=4, **launch(part, fusion=True))
     return dq, dkv[0], dkv[1]
 
 

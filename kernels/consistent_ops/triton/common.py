@@ -5,9 +5,11 @@ which the ascend backend launches). The few constructs triton-ascend lacks sit b
 module-level ``tl.constexpr`` switches set from the installed compiler, so a CUDA build
 compiles exactly the code it always did and triton-ascend compiles the alternative.
 """
+import functools
 import importlib.util
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -31,6 +33,37 @@ SCALAR_DIV_RN = tl.constexpr(not ASCEND)
 # input_precision of tl.dot on bf16/fp16 operands: any value gives exact products there;
 # triton-ascend rejects "tf32" (it takes "ieee" or "hf32").
 HALF_DOT_PRECISION = "ieee" if ASCEND else "tf32"
+
+# Programmatic dependent launch (PDL, CUDA sm_90+): a kernel launched with it may start while the
+# kernel before it in the stream still runs. Its programs first wait (griddepcontrol.wait) for that
+# kernel to finish with its writes visible, then let the next kernel start (pdl_enter), so every
+# read and write follows the previous kernel's as without it: the same bits, while the launch gap
+# and the programs' start overlap the previous kernel's tail (a decode step is ~13 launches a layer).
+# A speed choice, not in the fingerprint; CONSISTENT_OPS_PDL=0 turns it off.
+PDL = not INTERPRET and not ASCEND and os.environ.get("CONSISTENT_OPS_PDL", "1") != "0"
+_OPTIONS = {(fusion, pdl): dict({} if fusion else EXACT, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+            for fusion in (False, True) for pdl in (False, True)}
+
+
+@functools.lru_cache(maxsize=None)
+def hopper_or_newer(device_index):
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch(t, fusion=False):
+    """The options of a kernel launch whose tensors live where t does: EXACT (fusion=True: the
+    compiler's FMA contraction, for the kernels that always had it), and PDL on sm_90+ CUDA (every
+    kernel takes `PDL: tl.constexpr = False` and calls pdl_enter(PDL) before any memory op)."""
+    return _OPTIONS[fusion, PDL and t.is_cuda and hopper_or_newer(t.device.index)]
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A program's first step: wait for the previous kernel (its writes visible), then let the next
+    kernel's programs launch. Nothing without PDL."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -9,14 +9,12 @@ pointer or TMA loads) gave bit-identical results, because all of them run the sa
 MMA steps in the same order; the GPU tests check it across every switch point and for
 every entry (row of M=1 == row of M=4096).
 """
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ..contract import TRITON_TILES
-from .common import ASCEND as _ASCEND, EXACT, HALF_DOT_PRECISION, INTERPRET as _INTERPRET
+from .common import ASCEND as _ASCEND, HALF_DOT_PRECISION, INTERPRET as _INTERPRET, hopper_or_newer, launch, pdl_enter
 
 # Tile by M and by the number of programs (the grid has to fill the 132 SMs without
 # splitting K). Each entry (contract.TRITON_TILES["gemm"]): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -93,7 +91,8 @@ def _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
 def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # 1. tile of this program
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -119,15 +118,10 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper_or_newer(device_index):
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def tma_ready(*tensors):
     """CUDA-only bulk tensor copies: sm_90+, 16-bit operands, 16-byte aligned bases and rows."""
     t0 = tensors[0]
-    return (t0.is_cuda and _hopper_or_newer(t0.device.index)
+    return (t0.is_cuda and hopper_or_newer(t0.device.index)
             and all(t.dtype in (torch.bfloat16, torch.float16) and t.data_ptr() % 16 == 0
                     and (t.stride(-2) * t.element_size()) % 16 == 0 for t in tensors))
 
@@ -161,7 +155,7 @@ def matmul(x2, weight, bias=None, out_dtype=None, cfg=None):
     _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, m, n, k, x2.stride(0), weight.stride(0),
                        y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PRECISION=precision, TMA=tma,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
-                       **EXACT)
+                       **launch(x2))
     return y
 
 

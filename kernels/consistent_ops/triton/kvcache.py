@@ -10,11 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import launch, pdl_enter
+
 
 @triton.jit
 def _write_kv_kernel(K, V, KC, VC, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
                      sk_page, sk_pos, sk_head, sv_page, sv_pos, sv_head,
-                     PAGE: tl.constexpr, HKV: tl.constexpr, HB: tl.constexpr, D: tl.constexpr):
+                     PAGE: tl.constexpr, HKV: tl.constexpr, HB: tl.constexpr, D: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(Slots + tok).to(tl.int64)
     if slot < 0:                       # padding token: nothing to store
@@ -49,4 +53,4 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
                            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                            *key_cache.stride()[:3], *value_cache.stride()[:3],
                            PAGE=key_cache.shape[1], HKV=hkv, HB=triton.next_power_of_2(hkv), D=d,
-                           num_warps=1)
+                           num_warps=1, **launch(key, fusion=True))

@@ -19,7 +19,7 @@ import triton.language as tl
 from ..contract import TRITON_TILES
 from ..reference import logprobs as ref
 from .autograd import with_torch_grad
-from .common import ASCEND, EXACT, SCALAR_DIV_RN, exp32, log32
+from .common import ASCEND, SCALAR_DIV_RN, exp32, launch, log32, pdl_enter
 
 _BLOCK, _WARPS = TRITON_TILES["logprob_block"], TRITON_TILES["logprob_finish_warps"]
 # Lane groups: at least _LANES_MIN lanes a program; programs up to 2 waves of the H200's SMs.
@@ -53,8 +53,9 @@ def _z(Row, cols, V, vlim, t):
 
 @triton.jit
 def _lane_max_kernel(Z, Temp, Mx, V, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr,
-                     STAGES: tl.constexpr):
+                     STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """Pass 1 over one run of lanes: Mx[row, group] = max z over them (exact in any order)."""
+    pdl_enter(PDL)
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(Temp + row * stride_t)
     lanes = group * LANES + tl.arange(0, LANES)
@@ -72,8 +73,9 @@ def _row_max(Mx, row, groups, GB: tl.constexpr):
 
 @triton.jit
 def _lane_sum_kernel(Z, Temp, Mx, Acc, V, vlim, stride_z, stride_t, BLOCK: tl.constexpr, LANES: tl.constexpr,
-                     GB: tl.constexpr, STAGES: tl.constexpr):
+                     GB: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """Pass 2 over one run of lanes: each lane's sum of exp(z - m) over the blocks, in order."""
+    pdl_enter(PDL)
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t = tl.load(Temp + row * stride_t)
     m = _row_max(Mx, row, tl.num_programs(1), GB)
@@ -92,8 +94,9 @@ def _row_lse(Mx, Acc, row, groups, BLOCK: tl.constexpr, GB: tl.constexpr):
 
 @triton.jit
 def _log_softmax_kernel(Z, Temp, Mx, Acc, Out, V, vlim, groups, stride_z, stride_o, stride_t,
-                        BLOCK: tl.constexpr, GB: tl.constexpr, STAGES: tl.constexpr):
+                        BLOCK: tl.constexpr, GB: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """Pass 3: logp = (z - m) - lse over blocks part, part + parts, ... of the row."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(Temp + row * stride_t)
     m, lse = _row_lse(Mx, Acc, row, groups, BLOCK, GB)
@@ -105,7 +108,8 @@ def _log_softmax_kernel(Z, Temp, Mx, Acc, Out, V, vlim, groups, stride_z, stride
 
 @triton.jit
 def _token_logprob_kernel(Z, Temp, Ids, Mx, Acc, Out, M, LSE, vlim, groups, stride_z, stride_t,
-                          BLOCK: tl.constexpr, GB: tl.constexpr):
+                          BLOCK: tl.constexpr, GB: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(Temp + row * stride_t)
     m, lse = _row_lse(Mx, Acc, row, groups, BLOCK, GB)
@@ -130,16 +134,17 @@ def _row_passes(z, t, st, vlim, groups=None):
     acc = torch.empty((rows, _BLOCK), dtype=torch.float32, device=z.device)
     warps = max(2, min(8, lanes // 512))
     _lane_max_kernel[(rows, groups)](z, t, mx, z.shape[1], vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
-                                     STAGES=_STAGES, num_warps=warps, **EXACT)
+                                     STAGES=_STAGES, num_warps=warps, **launch(z))
     _lane_sum_kernel[(rows, groups)](z, t, mx, acc, z.shape[1], vlim, z.stride(0), st, BLOCK=_BLOCK, LANES=lanes,
-                                     GB=_GROUPS_MAX, STAGES=_STAGES, num_warps=warps, **EXACT)
+                                     GB=_GROUPS_MAX, STAGES=_STAGES, num_warps=warps, **launch(z))
     return mx, acc, groups
 
 
 @triton.jit
 def _token_logprob_bwd_kernel(Z, Temp, Ids, M, LSE, G, DZ, V, vlim, stride_z, stride_dz, stride_t,
-                              BLOCK: tl.constexpr):
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """d logp(tok) / d logits = (onehot(tok) - softmax(z)) * g / T, one pass per row."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(Temp + row * stride_t)
     m, lse = tl.load(M + row), tl.load(LSE + row)
@@ -170,7 +175,7 @@ def _log_softmax_kernel_call(logits, temperature, vocab_limit, groups=None):
     mx, acc, groups = _row_passes(z, t, st, vlim, groups)
     parts = min(triton.cdiv(v, _BLOCK), max(1, _PROGRAMS // rows)) if not ASCEND else 1
     _log_softmax_kernel[(rows, parts)](z, t, mx, acc, out, v, vlim, groups, z.stride(0), out.stride(0), st,
-                                       BLOCK=_BLOCK, GB=_GROUPS_MAX, STAGES=_STAGES, num_warps=_WARPS, **EXACT)
+                                       BLOCK=_BLOCK, GB=_GROUPS_MAX, STAGES=_STAGES, num_warps=_WARPS, **launch(z))
     return out.view(logits.shape)
 
 
@@ -187,7 +192,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if rows:
             mx, acc, groups = _row_passes(z, t, st, vlim)
             _token_logprob_kernel[(rows,)](z, t, ids, mx, acc, out, m, lse, vlim, groups, z.stride(0), st,
-                                           BLOCK=_BLOCK, GB=_GROUPS_MAX, num_warps=_WARPS, **EXACT)
+                                           BLOCK=_BLOCK, GB=_GROUPS_MAX, num_warps=_WARPS, **launch(z))
         ctx.save_for_backward(z, t, ids, m, lse)
         ctx.meta = (st, v, vlim, logits.shape, logits.dtype)
         return out
@@ -199,7 +204,7 @@ class _TokenLogprobs(torch.autograd.Function):
         dz = torch.empty(z.shape, dtype=torch.float32, device=z.device)
         _token_logprob_bwd_kernel[(z.shape[0],)](z, t, ids, m, lse, g.float().contiguous(), dz, v, vlim,
                                                  z.stride(0), dz.stride(0), st, BLOCK=_BLOCK,
-                                                 num_warps=_WARPS, **EXACT)
+                                                 num_warps=_WARPS, **launch(z))
         return dz.to(dtype).view(shape), None, None, None
 
 

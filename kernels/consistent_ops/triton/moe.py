@@ -24,7 +24,7 @@ import triton.language as tl
 from ..contract import TRITON_TILES
 from ..experts import ExpertStack
 from .autograd import needs_grad, with_torch_grad
-from .common import ASCEND as _ASCEND, EXACT, INTERPRET as _INTERPRET, exp32
+from .common import ASCEND as _ASCEND, INTERPRET as _INTERPRET, exp32, launch, pdl_enter
 from .gemm import linear
 
 def _opts(block_n, block_k, warps, stages):
@@ -62,8 +62,9 @@ _SOFTMAX_WARPS, _ACT_BWD_WARPS = _T["router_warps"], _T["act_backward_warps"]
 
 
 @triton.jit
-def _softmax_kernel(L, P, E, stride, BLOCK: tl.constexpr):
+def _softmax_kernel(L, P, E, stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Router probs of one token: fp32 softmax, exp in fp64, IEEE division."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x = tl.load(L + row * stride + cols, mask=cols < E, other=float("-inf"))
@@ -88,7 +89,8 @@ def _tile(TileE, TileRow0, TileRowEnd, Order, BM: tl.constexpr, TILE_AXIS: tl.co
 def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, GU, K, TOPK, NL,
                     stride_x, stride_we, stride_wn, stride_h,
                     BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SAVE_GU: tl.constexpr,
-                    TILE_AXIS: tl.constexpr):
+                    TILE_AXIS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM, TILE_AXIS)
     if (e < 0) | (e >= NL):                     # idle tile (the grid is an upper bound) or zero tile
         return
@@ -120,7 +122,8 @@ def _gate_up_kernel(X, Order, TileE, TileRow0, TileRowEnd, Wg, Wu, Hout, GU, K, 
 @triton.jit
 def _down_kernel(Hin, Order, TileE, TileRow0, TileRowEnd, Wd, RouteW, Out, K, NL, stride_h,
                  stride_we, stride_wn, stride_o, BM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, TILE_AXIS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, TILE_AXIS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     e, rows, live, slot = _tile(TileE, TileRow0, TileRowEnd, Order, BM, TILE_AXIS)
     if e < 0:
         return
@@ -143,10 +146,11 @@ def _down_kernel(Hin, Order, TileE, TileRow0, TileRowEnd, Wd, RouteW, Out, K, NL
 
 @triton.jit
 def _route_kernel(L, Ids, W, E, stride, TOPK: tl.constexpr, KB: tl.constexpr, NORM: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The whole router of one token after its logits: the softmax of _softmax_kernel, the
     top-k by descending probability with ties to the lower expert id (what a stable
     descending sort puts first), the weights renormalised by their fp32 sum in slot order."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x = tl.load(L + row * stride + cols, mask=cols < E, other=float("-inf"))
@@ -181,7 +185,7 @@ def _route_fused(logits, top_k, norm_topk_prob):
     if t:
         _route_kernel[(t,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, KB=triton.next_power_of_2(top_k),
                             NORM=bool(norm_topk_prob), BLOCK=triton.next_power_of_2(e), num_warps=_SOFTMAX_WARPS,
-                            **EXACT)
+                            **launch(logits))
     return ids, weights
 
 
@@ -189,7 +193,7 @@ def _softmax_rows(logits):
     p = torch.empty_like(logits)
     _softmax_kernel[(logits.shape[0],)](logits, p, logits.shape[1], logits.stride(0),
                                         BLOCK=triton.next_power_of_2(logits.shape[1]),
-                                        num_warps=_SOFTMAX_WARPS, **EXACT)
+                                        num_warps=_SOFTMAX_WARPS, **launch(logits))
     return p
 
 
@@ -241,11 +245,12 @@ def _local_index(flat, local):
 
 @triton.jit
 def _plan_kernel(Ids, Key, Order, TileE, Row0, RowEnd, R, LO, N_TILES, NL: tl.constexpr, BM: tl.constexpr,
-                 RB: tl.constexpr, GB: tl.constexpr, TB: tl.constexpr):
+                 RB: tl.constexpr, GB: tl.constexpr, TB: tl.constexpr, PDL: tl.constexpr = False):
     """Program g: the rows of local expert g (g = NL: rows of experts that are not local),
     stably in token order, and g's tiles. Every program counts all groups (a histogram over
     the rows, RB at a time), so no program waits for another; the last one also marks the
     idle tile slots. Rows are read twice per program: cheap next to the experts' weights."""
+    pdl_enter(PDL)
     g = tl.program_id(0)
     r = tl.arange(0, RB)
     bins = tl.arange(0, GB)
@@ -306,7 +311,8 @@ def _plan_fused(flat, lo, n_local, bm):
                 row0=torch.empty(n_tiles, dtype=i32, device=dev), row_end=torch.empty(n_tiles, dtype=i32, device=dev))
     _plan_kernel[(n_local + 1,)](flat, key, plan["order"], plan["tile_e"], plan["row0"], plan["row_end"], rows, lo,
                                  n_tiles, NL=n_local, BM=bm, RB=min(_PLAN_RB, triton.next_power_of_2(rows)),
-                                 GB=triton.next_power_of_2(n_local + 2), TB=_PLAN_TB, num_warps=4)
+                                 GB=triton.next_power_of_2(n_local + 2), TB=_PLAN_TB, num_warps=4,
+                                 **launch(flat, fusion=True))
     return plan, key, n_tiles
 
 
@@ -373,10 +379,10 @@ def _grouped_kernel(x, weights, w_gate_up, wd, *, ids, local, cfg=None, save_gu=
     _gate_up_kernel[grid(triton.cdiv(inter, gate_up["BLOCK_N"]))](
         x, plan["order"], *tiles, wg, wu, h, gu, hidden, k, n_local,
         x.stride(0), wg.stride(0), wg.stride(1), h.stride(0), BM=bm, **gate_up, SAVE_GU=save_gu, TILE_AXIS=axis,
-        **EXACT)
+        **launch(x))
     _down_kernel[grid(triton.cdiv(hidden, down["BLOCK_N"]))](
         h, plan["order"], *tiles, wd, weights.reshape(-1).float().contiguous(), contrib, inter, n_local,
-        h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, TILE_AXIS=axis, **EXACT)
+        h.stride(0), wd.stride(0), wd.stride(1), contrib.stride(0), BM=bm, **down, TILE_AXIS=axis, **launch(h))
     out = contrib.view(t, k, hidden), (key < n_local).view(t, k) if owned else None
     return (*out, (gu, plan["order"], key)) if save_gu else out
 
@@ -404,10 +410,11 @@ def _weight_grad(dy, xs, offs):
 
 
 @triton.jit
-def _act_bwd_kernel(GU, DHW, WR, Hout, DGU, DW, I, BLOCK: tl.constexpr):
+def _act_bwd_kernel(GU, DHW, WR, Hout, DGU, DW, I, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One (token, slot) row of the experts' activation backward, in fp32: h = silu(g) * u
     (the forward's, rounded), dw = <dC @ Wd, h>, dh = (dC @ Wd) * w, dg = dh * u * silu'(g),
     du = dh * silu(g). Rows are contiguous: gu [R, 2I], dC @ Wd [R, I]."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     w = tl.load(WR + row)
     acc = tl.zeros([BLOCK], tl.float32)
@@ -437,14 +444,15 @@ def _act_backward(gu, dhw, wr):
     dw = torch.empty(rows, dtype=torch.float32, device=gu.device)
     if rows:
         _act_bwd_kernel[(rows,)](gu, dhw, wr, h, d_gu, dw, inter, BLOCK=min(triton.next_power_of_2(inter), 1024),
-                                 num_warps=_ACT_BWD_WARPS, **EXACT)
+                                 num_warps=_ACT_BWD_WARPS, **launch(gu))
     return h, d_gu, dw
 
 
 @triton.jit
-def _slot_grad_kernel(D, Sel, WR, DC, DCW, H, TOPK, stride_t, stride_k, BLOCK: tl.constexpr):
+def _slot_grad_kernel(D, Sel, WR, DC, DCW, H, TOPK, stride_t, stride_k, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Row r of the plan order: dC_r = d_contrib[token, slot] (any strides: the combine's
     expanded view included) and w_r * dC_r, both rounded to the activation dtype."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = c < H
@@ -463,7 +471,7 @@ def _slot_grads(d_contrib, sel, wr, dtype):
     if sel.shape[0]:
         _slot_grad_kernel[(sel.shape[0], triton.cdiv(hidden, 1024))](
             d_contrib, sel, wr, dc, dcw, hidden, k, d_contrib.stride(0), d_contrib.stride(1), BLOCK=1024,
-            num_warps=4, **EXACT)
+            num_warps=4, **launch(d_contrib))
     return dc, dcw
 
 
@@ -548,8 +556,10 @@ def moe_experts(x, ids, weights, experts):
 
 
 @triton.jit
-def _combine_kernel(C, Out, H, stride_t, stride_k, stride_o, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(C, Out, H, stride_t, stride_k, stride_o, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Slots 0..k-1 added in order in fp32 (as the reference's elementwise adds), rounded once."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = h < H
@@ -565,7 +575,7 @@ def _combine(contrib, out_dtype):
     out = torch.empty((t, h), dtype=out_dtype, device=contrib.device)
     if t:
         _combine_kernel[(t, triton.cdiv(h, 1024))](c, out, h, c.stride(0), c.stride(1), out.stride(0),
-                                                  TOPK=k, BLOCK=1024, num_warps=4, **EXACT)
+                                                  TOPK=k, BLOCK=1024, num_warps=4, **launch(c))
     return out
 
 

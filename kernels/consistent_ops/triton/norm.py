@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ..contract import TRITON_TILES
 from .autograd import needs_grad
-from .common import EXACT
+from .common import launch, pdl_enter
 
 _ELEMENTS = TRITON_TILES["rms_norm_elements"]   # elements per program: a row of H >= 2048, else 2048 / H rows
 
@@ -45,7 +45,8 @@ def _normed(x, inv, w, dtype: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(X, Res, W, Y, ResOut, M, H, Hf, eps, stride_x, stride_r, stride_y,
-                     HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     rows, cols, inside = _rows_of(M, H, ROWS, BLOCK)
     x = tl.load(X + rows * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
     if HAS_RES:  # residual' = x + residual, rounded to the activation dtype first
@@ -61,10 +62,11 @@ def _rms_norm_kernel(X, Res, W, Y, ResOut, M, H, Hf, eps, stride_x, stride_r, st
 
 @triton.jit
 def _rms_norm_bwd_kernel(X, W, DY, DRes, DX, YHat, M, H, Hf, eps, stride, HAS_DRES: tl.constexpr,
-                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """dx for rows of y = (x * inv) * w, inv = 1 / sqrt(mean(x^2) + eps), in fp32:
     g = dy * w; dx = inv * (g - n * mean(g * n)), n = x * inv (+ the residual's own gradient
     when the norm was fused with a residual add). Also stores n rounded (for dw)."""
+    pdl_enter(PDL)
     rows, cols, inside = _rows_of(M, H, ROWS, BLOCK)
     x = tl.load(X + rows * stride + cols, mask=inside, other=0.0).to(tl.float32)
     inv = _inv_rms(x, Hf, eps)
@@ -96,7 +98,7 @@ def _launch(x, residual, weight, eps):
     m = x2.shape[0]
     _rms_norm_kernel[(triton.cdiv(m, rows),)](x2, r2, weight.to(x.dtype), y, r_out, m, h, float(h), float(eps),
                                               x2.stride(0), r2.stride(0), y.stride(0), HAS_RES=residual is not None,
-                                              ROWS=rows, BLOCK=block, num_warps=warps, **EXACT)
+                                              ROWS=rows, BLOCK=block, num_warps=warps, **launch(x2))
     return y.view(x.shape), r_out.view(x.shape)
 
 
@@ -112,7 +114,7 @@ def _backward(x, weight, dy, dres, eps):
     if m:
         _rms_norm_bwd_kernel[(triton.cdiv(m, rows),)](x2, weight.to(x.dtype), dy2, dr2, dx, yhat, m, h, float(h),
                                                       float(eps), h, HAS_DRES=dres is not None, ROWS=rows,
-                                                      BLOCK=block, num_warps=warps, **EXACT)
+                                                      BLOCK=block, num_warps=warps, **launch(x2))
     dw = (dy2.float() * yhat.float()).sum(0).to(weight.dtype)
     return dx.view(x.shape), dw
 

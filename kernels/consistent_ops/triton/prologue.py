@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import EXACT
+from .common import launch, pdl_enter
 from .autograd import needs_grad
 from .norm import _inv_rms, _normed, _shape
 from .rope import _rotate
@@ -50,7 +50,9 @@ def _norm_rope_rows(X, W, Y, Cos, Sin, program, M, H, stride_t, stride_c, Hf, ep
 
 @triton.jit
 def _qk_norm_rope_kernel(Q, K, V, QW, KW, QOut, KOut, VOut, Cos, Sin, q_programs, MQ, MKV, HQ, HKV,
-                         stride_q, stride_k, stride_v, stride_c, Hf, eps, ROWS: tl.constexpr, D: tl.constexpr):
+                         stride_q, stride_k, stride_v, stride_c, Hf, eps, ROWS: tl.constexpr, D: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     program = tl.program_id(0)
     if program < q_programs:
         _norm_rope_rows(Q, QW, QOut, Cos, Sin, program, MQ, HQ, stride_q, stride_c, Hf, eps, ROWS, D)
@@ -87,5 +89,5 @@ def qk_norm_rope(q, k, v, q_norm, k_norm, eps, cos, sin):
     _qk_norm_rope_kernel[(q_programs + triton.cdiv(t * hkv, rows),)](
         q, k, v, q_norm.to(q.dtype), k_norm.to(k.dtype), *outs, cos, sin, q_programs, t * hq, t * hkv, hq, hkv,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), float(d), float(eps), ROWS=rows, D=block,
-        num_warps=warps, **EXACT)
+        num_warps=warps, **launch(q))
     return tuple(outs)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..reference.pointwise import apply_rope as _apply_rope_torch
-from .common import EXACT
+from .common import launch, pdl_enter
 
 
 @triton.jit
@@ -21,7 +21,8 @@ def _rotate(x1, x2, c, s):
 
 @triton.jit
 def _rope_kernel(X, Cos, Sin, Y, H, stride_xt, stride_xh, stride_yt, stride_yh, stride_c,
-                 HB: tl.constexpr, HALF: tl.constexpr):
+                 HB: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
     d = tl.arange(0, HALF)
@@ -45,7 +46,7 @@ def _rope(x, cos, sin):
     cos, sin = cos.contiguous(), sin.contiguous()
     hb = min(triton.next_power_of_2(h), 16)
     _rope_kernel[(t, triton.cdiv(h, hb))](x, cos, sin, y, h, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-                                          cos.stride(0), HB=hb, HALF=d // 2, num_warps=4, **EXACT)
+                                          cos.stride(0), HB=hb, HALF=d // 2, num_warps=4, **launch(x))
     return y
 
 

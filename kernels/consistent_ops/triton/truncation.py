@@ -17,14 +17,15 @@ import triton.language as tl
 from ..contract import TRUNCATION_FIXED_BITS
 from ..reference.logprobs import NEG_INF
 from ..reference.truncation import kept_ranks, row_settings, rows_off
-from .common import EXACT
+from .common import launch, pdl_enter
 from .logprobs import log_softmax
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _fixed_point_kernel(LP, Q, P, V, stride, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _fixed_point_kernel(LP, Q, P, V, stride, SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     lp = tl.load(LP + row * stride + c, mask=c < V, other=float("-inf"))
@@ -35,7 +36,8 @@ def _fixed_point_kernel(LP, Q, P, V, stride, SCALE: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def _keep_kernel(LP, BV, BI, Keep, V, stride, BLOCK: tl.constexpr):
+def _keep_kernel(LP, BV, BI, Keep, V, stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     lp = tl.load(LP + row * stride + c, mask=c < V, other=float("-inf"))
@@ -54,12 +56,12 @@ def keep_mask(logp, top_k=0, top_p=1.0, min_p=0.0):
     prob = torch.empty_like(lp)
     grid = (rows, triton.cdiv(v, _BLOCK))
     _fixed_point_kernel[grid](sorted_lp, q, prob, v, v, SCALE=float(2 ** TRUNCATION_FIXED_BITS),
-                              BLOCK=_BLOCK, **EXACT)
+                              BLOCK=_BLOCK, **launch(sorted_lp))
     last = kept_ranks(q, prob, k, p, mp) - 1                     # [rows, 1] boundary rank
     bound_v = torch.gather(sorted_lp, -1, last).reshape(-1).contiguous()
     bound_i = torch.gather(order, -1, last).reshape(-1).contiguous()
     keep = torch.empty(lp.shape, dtype=torch.int8, device=lp.device)
-    _keep_kernel[grid](lp, bound_v, bound_i, keep, v, v, BLOCK=_BLOCK, **EXACT)
+    _keep_kernel[grid](lp, bound_v, bound_i, keep, v, v, BLOCK=_BLOCK, **launch(lp))
     return keep.bool()
 
 
