@@ -75,11 +75,11 @@ def test_graph_replays_equal_eager_and_trainer(model, tokens, train_logits):
 
 
 def test_programmatic_launch_keeps_the_bits(model, tokens, monkeypatch):
-    """Programmatic dependent launch (common.PDL, on by default on sm_90+) moves when a kernel's
+    """Programmatic dependent launch (common.PDL, sm_90+) moves when a kernel's
     programs start, not what they read, and the GEMM's L2 prefetch before its wait is a hint: graph
     replays captured with PDL and the prefetch, with PDL alone and with neither give the same
     logits, bit for bit, step by step."""
-    if not common.launch(tokens[0])["PDL"]:
+    if not common.hopper_or_newer(tokens[0].device.index):
         pytest.skip("programmatic dependent launch needs sm_90+")
     prefill = [(s, tokens[s][:n - DECODE]) for s, n in enumerate(LENS)]
     runs = []
