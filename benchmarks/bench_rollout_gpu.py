@@ -22,7 +22,7 @@ import time
 import torch
 
 import consistent_ops as co
-from consistent_ops.triton import common as triton_common, gemm
+from consistent_ops.triton import common as triton_common
 from bench_vllm_gpu import _parse_cases
 from harness import GraphRunner, ModelRunner, build_hf_model, build_model
 from true_on_policy.models.qwen3 import fuse
@@ -308,8 +308,6 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--cases", help="decode cases B x context only, e.g. 1x1024,4x8192 (default: all), "
                                     "and no prefill cases")
-    ap.add_argument("--gemm-prefetch", action="store_true",
-                    help="decode GEMMs prefetch their weight rows toward L2 before the PDL wait (gemm.PREFETCH_WEIGHTS)")
     args = ap.parse_args()
     cases = DECODE_CASES if args.cases is None else _parse_cases(args.cases)
     if not cases:
@@ -317,12 +315,11 @@ def main():
     if not torch.cuda.is_available():
         ap.error("no CUDA GPU in this process: the 48-layer rollout benchmark runs on the device (scripts/gpu_suite.sh)")
     co.set_backend("triton")
-    gemm.PREFETCH_WEIGHTS = args.gemm_prefetch
     torch.manual_seed(0)
     bw = copy_bandwidth()
     META.update(date=str(datetime.date.today()), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 contract=co.contract_fingerprint(), copy_tbs=round(bw, 3), layers=args.layers,
-                pdl=triton_common.PDL, gemm_prefetch=gemm.PREFETCH_WEIGHTS)   # CONSISTENT_OPS_PDL=0: PDL off
+                pdl=triton_common.PDL)   # programmatic dependent launch (CONSISTENT_OPS_PDL=0: off)
     print(f"# {META}", flush=True)
     model = build_model(layers=args.layers)
     same = check_full_depth(model)

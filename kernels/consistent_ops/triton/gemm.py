@@ -44,10 +44,6 @@ _MID_NARROW, _MID_WIDE, _MID_TALL = _T["mid_narrow"], _T["mid_wide"], _T["mid_ta
 _LARGE = _T["large"]
 _HUGE = _T["huge"]              # once it gives >= 2 waves of programs
 _MIN_PROGRAMS, _SMS = 72, 132
-# With programmatic dependent launch (common.PDL), a decode-sized launch (one row tile) may first
-# prefetch its weight rows toward L2 while the kernel before it still runs (o_proj's behind the
-# attention's few programs at B=1): a speed choice, the same bits. Off until timed.
-PREFETCH_WEIGHTS = False
 _SMEM = 200 * 1024       # operand pipeline budget per program (the H200 gives a block up to 227 KB)
 
 
@@ -91,19 +87,12 @@ def _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
     tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _prefetch_rows(Rows, nbytes):
-    """Each row's first nbytes toward L2 (sm_90 bulk prefetch): a hint that writes no register or
-    shared memory, so it may run before the grid-dependency wait."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0", "=r,l,r", [Rows, nbytes],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, WRows,
+def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+                 GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     # 1. tile of this program
     pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -112,9 +101,6 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, WRows,
     # rows/cols past the edge read a valid row (mod) and are never stored
     xm = (rm % M).to(tl.int64)
     wn = (rn % N).to(tl.int64)
-    if PREFETCH:   # the weights are no earlier kernel's output: toward L2 while that kernel runs (PDL)
-        _prefetch_rows(WRows + wn * stride_wn, (wn * 0 + K * 2).to(tl.int32))
-    pdl_enter(PDL)
     # 2. K walked in order into one fp32 accumulator
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -166,12 +152,10 @@ def matmul(x2, weight, bias=None, out_dtype=None, cfg=None):
         xa, wa = descriptor(x2, [bm, bk]), descriptor(weight, [bn, bk])
     # fp32 operands: exact fp32 products ("ieee"), not tf32
     precision = "ieee" if x2.dtype == torch.float32 else HALF_DOT_PRECISION
-    options = launch(x2)
-    prefetch = PREFETCH_WEIGHTS and options["PDL"] and m <= bm and weight.element_size() == 2 and k % 8 == 0
     _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, m, n, k, x2.stride(0), weight.stride(0),
-                       y.stride(0), weight, HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PRECISION=precision,
-                       TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, PREFETCH=prefetch,
-                       num_warps=warps, num_stages=stages, **options)
+                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PRECISION=precision, TMA=tma,
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
+                       **launch(x2))
     return y
 
 
