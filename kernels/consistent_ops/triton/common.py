@@ -56,7 +56,7 @@ def launch(t, fusion=False):
     """The options of a kernel launch whose tensors live where t does: EXACT (fusion=True: the
     compiler's FMA contraction, for the kernels that always had it), and PDL on sm_90+ CUDA (every
     kernel takes `PDL: tl.constexpr = False` and calls pdl_enter(PDL) before any memory op)."""
-    return _OPTIONS[fusion, PDL and t.is_cuda and hopper_or_newer(t.device.index)]
+    return _OPTIONS[fusion, PDL and t.is_cuda and hopper_or_newer(t.get_device())]
 
 
 @triton.jit
