@@ -351,6 +351,19 @@ def test_every_kernel_waits_for_the_previous_launch_first():
         assert ast.unparse(first) == "pdl_enter(PDL)", name
 
 
+def test_a_bad_pdl_switch_is_named():
+    """CONSISTENT_OPS_PDL takes 0 or 1: another value stops the import with one line naming it and both."""
+    import os
+    import sys
+    kernels = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+    env = dict(os.environ, CONSISTENT_OPS_PDL="off", PYTHONPATH=kernels)
+    res = subprocess.run([sys.executable, "-c", "import consistent_ops.triton.common"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and res.stderr.strip().splitlines()[-1] == (
+        "ValueError: CONSISTENT_OPS_PDL='off' is not a switch; use 1 (programmatic dependent launch on sm_90+, "
+        "the default) or 0 (off)")
+
+
 def _ptx_ops(kernel):
     """The PTX instructions of a compiled kernel, in order, without comments and debug lines."""
     lines = (ln.split("//")[0].strip() for ln in kernel.asm["ptx"].splitlines())

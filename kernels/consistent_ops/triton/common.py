@@ -42,7 +42,11 @@ HALF_DOT_PRECISION = "ieee" if ASCEND else "tf32"
 # H100, 48-layer decode step (bench_rollout_gpu.py, 2026-12-07): 1.1-3.7 % faster at B=1 x 1k / 8k,
 # 4 x 8k / 32k, every run trainer == rollout. A speed choice, not in the fingerprint;
 # CONSISTENT_OPS_PDL=0 turns it off.
-PDL = not INTERPRET and not ASCEND and os.environ.get("CONSISTENT_OPS_PDL", "1") != "0"
+_PDL_ENV = os.environ.get("CONSISTENT_OPS_PDL", "1")
+if _PDL_ENV not in ("0", "1"):
+    raise ValueError(f"CONSISTENT_OPS_PDL={_PDL_ENV!r} is not a switch; use 1 (programmatic dependent launch on "
+                     "sm_90+, the default) or 0 (off)")
+PDL = not INTERPRET and not ASCEND and _PDL_ENV == "1"
 _OPTIONS = {(fusion, pdl): dict({} if fusion else EXACT, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
             for fusion in (False, True) for pdl in (False, True)}
 
