@@ -42,7 +42,21 @@ def test_the_kernels_run_the_contract_tiles():
                                                                tiles["attention"]["backward_delta_warps"])
     assert (moe._SOFTMAX_WARPS, moe._ACT_BWD_WARPS) == (tiles["moe"]["router_warps"], tiles["moe"]["act_backward_warps"])
     assert gemm._MID_NARROW is tiles["gemm"]["mid_narrow"] and gemm._PINNED is tiles["gemm"]["pinned"]
+    assert gemm._MID_SQUARE is tiles["gemm"]["mid_square"] and gemm._MID_TALL is tiles["gemm"]["mid_tall"]
     assert norm._ELEMENTS == tiles["rms_norm_elements"] and logprobs._BLOCK == tiles["logprob_block"]
+
+
+def test_the_mid_m_tile_is_the_narrowest_of_one_wave(monkeypatch):
+    """M 129..512 (decode batches of 129-512 sequences): the narrowest entry whose programs fit the 132
+    SMs in one wave, else the 128 x 64 tile (qkv N 5120, o_proj N 2048)."""
+    pytest.importorskip("triton")
+    from consistent_ops.triton import gemm
+    monkeypatch.setattr(gemm, "_INTERPRET", False)
+    monkeypatch.setattr(gemm, "_ASCEND", False)
+    picks = {(m, n): gemm._config(m, n) for m in (192, 256, 384, 512) for n in (5120, 2048)}
+    assert picks[192, 5120] is gemm._MID_WIDE and picks[256, 2048] is gemm._MID_NARROW
+    assert picks[256, 5120] is gemm._MID_SQUARE and picks[384, 5120] is gemm._MID_SQUARE
+    assert picks[512, 5120] is gemm._MID_TALL and picks[512, 2048] is gemm._MID_WIDE
 
 
 def test_bad_cpu_accumulation_is_a_clear_error(monkeypatch):

@@ -64,7 +64,7 @@ TRITON_TILES = {
         # the one tile for every M under the CPU interpreter and on Ascend
         "pinned": (64, 64, 64, 1, 4, 6, True),
         "mid_narrow": (64, 64, 128, 1, 4, 4, True), "mid_wide": (64, 128, 128, 8, 4, 3, True),
-        "mid_tall": (128, 64, 64, 8, 4, 4, True),
+        "mid_square": (128, 128, 64, 8, 8, 6, True), "mid_tall": (128, 64, 64, 8, 4, 4, True),
         "large": (128, 128, 64, 8, 4, 4, True), "huge": (256, 128, 64, 8, 8, 3, True),
     },
     # (rows of one expert a program, gate_up (BLOCK_N, BLOCK_K, warps, stages), down (same)),

@@ -40,7 +40,9 @@ _NARROW = _T["narrow"]          # M <= 128: the widest BLOCK_N that still gives 
 _PINNED = _T["pinned"]
 # M <= 512: the narrowest that fits one wave. H200 (bench_triton --only probe_linear_mid, cold as in a
 # step, 2026-12-06): o_proj M 256 "mid_narrow" 14.2 us, "mid_wide" 19.7 (cuBLAS 10.8); the same bits.
-_MID_NARROW, _MID_WIDE, _MID_TALL = _T["mid_narrow"], _T["mid_wide"], _T["mid_tall"]
+# H100 (the same probe, 2026-12-07): qkv M 256 "mid_square" 13.3 / 16.0 us warm / cold (one wave of 80
+# programs, 6 stages to hide the cold weight reads), "mid_tall" 13.8 / 18.0 (cuBLAS 11.9 / 14.2); the same bits.
+_MID_NARROW, _MID_WIDE, _MID_SQUARE, _MID_TALL = _T["mid_narrow"], _T["mid_wide"], _T["mid_square"], _T["mid_tall"]
 _LARGE = _T["large"]
 _HUGE = _T["huge"]              # once it gives >= 2 waves of programs
 _MIN_PROGRAMS, _SMS = 72, 132
@@ -63,7 +65,7 @@ def _config(m, n):
     if m <= 128:
         return next((c for c in _NARROW.values() if _programs(m, n, c) >= _MIN_PROGRAMS), _NARROW[16])
     if m <= 512:
-        return next((c for c in (_MID_NARROW, _MID_WIDE) if _programs(m, n, c) <= _SMS), _MID_TALL)
+        return next((c for c in (_MID_NARROW, _MID_WIDE, _MID_SQUARE) if _programs(m, n, c) <= _SMS), _MID_TALL)
     return _HUGE if _programs(m, n, _HUGE) >= 2 * _SMS else _LARGE
 
 
