@@ -429,8 +429,8 @@ def probe_linear_mid():
     warm replays): the 64-row tiles of every width (more programs: 128-256 at o_proj's N 2048) and
     the 128-row ones, against the tile in use; and deeper pipelines of the 128-row tiles (cold, a
     tile's weight reads wait on HBM: H100 2026-12-07, qkv M=256 in use 12.6 us warm, 16.7 cold, cuBLAS
-    12.0 / 13.8), and shallow ones that let several programs share an SM. Warp-specialized tiles
-    (Triton 3.6) were slower or hung (RESULTS.md session 38)."""
+    12.0 / 13.8), and shallow ones that let several programs share an SM (H100 2026-12-07: none among
+    the fastest four). Warp-specialized tiles (Triton 3.6) were slower or hung (RESULTS.md session 38)."""
     tiles = [(64, bn, bk, 1, 4, st, True) for bn, bk, st in ((16, 128, 6), (32, 128, 4), (64, 64, 6),
                                                              (64, 128, 4), (128, 128, 3), (128, 64, 4))]
     tiles += [(128, 64, 64, 8, 4, 4, True), (128, 128, 64, 8, 8, 4, True), (64, 128, 128, 8, 4, 3, True)]
@@ -440,6 +440,9 @@ def probe_linear_mid():
     # 64 x 64 three an SM at most, o_proj's 256 / 512 of 64 x 32 / 64 x 16 two / four
     tiles += [(64, 64, 64, 1, 4, 3, True), (64, 64, 64, 1, 4, 4, True), (64, 32, 64, 1, 4, 4, True),
               (64, 16, 64, 1, 4, 4, True)]
+    # around the cold winners of H100 2026-12-07 (qkv M=256 128 x 128 x 64 at 6 stages, now `mid_square`;
+    # o_proj M=256 `mid_narrow`): K steps of 128, one warp group, and o_proj's tile 6 stages deep
+    tiles += [(128, 128, 128, 8, 8, 3, True), (128, 128, 64, 8, 4, 6, True), (64, 64, 128, 1, 4, 6, True)]
     probe_linear_decode((64, 256), tiles, DECODE_SHAPES[:2])
 
 

@@ -500,6 +500,22 @@ def test_linear_rows_and_accuracy():
     assert rel(T.finish_row_parallel(T.ordered_sum(parts), b, BF16), y) < 1e-2   # TP=2 emulation
 
 
+def _gemm_entries():
+    from consistent_ops.contract import TRITON_TILES
+    for name, entry in TRITON_TILES["gemm"].items():
+        yield from ((f"{name}-{k}", e) for k, e in entry.items()) if isinstance(entry, dict) else [(name, entry)]
+
+
+@pytest.mark.parametrize("name, cfg", list(_gemm_entries()), ids=[n for n, _ in _gemm_entries()])
+def test_every_gemm_tile_entry_gives_the_pinned_rows(name, cfg):
+    """Each entry of the contract's GEMM table, forced (the GPU picks them by M and N): the pinned
+    entry's rows bit for bit, partial row and column tiles and a K that no BLOCK_K divides included
+    (the GPU suite's test_linear_rows_across_every_tile_entry holds the MMAs to it)."""
+    from consistent_ops.triton import gemm
+    x, w, b = rand(150, 200, seed=31), rand(136, 200, scale=0.07, seed=32), rand(136, seed=33)
+    assert torch.equal(gemm.matmul(x, w, b, cfg=cfg), gemm.matmul(x, w, b, cfg=gemm._PINNED)), name
+
+
 def test_rms_norm_and_fused_residual():
     x, r, w = rand(33, 256, seed=7), rand(33, 256, seed=8), rand(256, seed=9)
     assert rel(T.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6)) < 1e-2
