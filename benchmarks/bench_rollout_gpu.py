@@ -211,7 +211,9 @@ def _print_kernels(fn, what, rows=12):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    print(f"# device time of {what}, by kernel:", flush=True)
+    overlap = (" (programmatic dependent launch on: a kernel's time includes its wait on the one before;"
+               " CONSISTENT_OPS_PDL=0 for each kernel's own)" if triton_common.PDL else "")
+    print(f"# device time of {what}, by kernel{overlap}:", flush=True)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70),
           flush=True)
 

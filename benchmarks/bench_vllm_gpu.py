@@ -416,7 +416,9 @@ def time_tail(llm, engine, repeats, vocab, cases=TAIL_CASES, host_times=False):
 def profile(llm, engine, work, rows=20):
     """One generate under the torch profiler (the engine runs in this process): the top CUDA
     kernels by time, the wall time, and the host's launches. Kernel time well below the wall
-    time means host-bound steps; graph launches say whether the steps replayed CUDA graphs."""
+    time means host-bound steps; graph launches say whether the steps replayed CUDA graphs. The
+    plugin's kernels run without programmatic dependent launch here (each kernel's own time), unless
+    CONSISTENT_OPS_PDL is set."""
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -495,6 +497,8 @@ def run_engine(args, engine, name=None):
     env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
     if args.profile or args.host_times:    # engine core in this process, so the profiler / HostTimes see it
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.profile:   # under programmatic dependent launch a kernel's time includes its wait on the one before
+        env.setdefault("CONSISTENT_OPS_PDL", "0")
     # the child's own settings; a flag (--profile, --tail) only when set
     argv = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(args).items()
             if k not in ("json", "child", "engines", "rounds", "logs") and v is not False and v is not None]

@@ -290,7 +290,10 @@ def test_the_child_gets_its_settings_and_flags(tmp_path, monkeypatch):
 
         def wait(self, timeout=None):
             return 0
-    monkeypatch.setattr(bench.subprocess, "Popen", lambda argv, **k: argvs.append(argv[2:]) or Child())
+    envs = []
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda argv, env, **k: argvs.append(argv[2:]) or envs.append(env)
+                        or Child())
+    monkeypatch.delenv("CONSISTENT_OPS_PDL", raising=False)
     (tmp_path / "config.json").write_text("{}")
     bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--rounds", "2"]), "stock")
     assert "--tail" in argvs[0] and "--repeats=3" in argvs[0] and "--profile" not in argvs[0]
@@ -300,6 +303,8 @@ def test_the_child_gets_its_settings_and_flags(tmp_path, monkeypatch):
     Child.stdout = iter(['@@result {"engine": "stock"}\n'])
     bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--profile"]), "stock")
     assert "--profile" in argvs[1] and "--tail" not in argvs[1] and "--repeats=1" in argvs[1]
+    # a profile times each kernel alone (PDL off), a timing run keeps the default (on)
+    assert envs[1]["CONSISTENT_OPS_PDL"] == "0" and "CONSISTENT_OPS_PDL" not in envs[0]
     Child.stdout = iter(['@@result {"engine": "stock"}\n'])
     bench.run_engine(bench.parse_args(["--model", str(tmp_path), "--tail", "--cases", "1x1024", "--host-times"]), "stock")
     assert "--cases=1x1024" in argvs[2] and "--host-times" in argvs[2]
