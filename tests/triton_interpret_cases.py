@@ -516,6 +516,15 @@ def test_every_gemm_tile_entry_gives_the_pinned_rows(name, cfg):
     assert torch.equal(gemm.matmul(x, w, b, cfg=cfg), gemm.matmul(x, w, b, cfg=gemm._PINNED)), name
 
 
+def test_a_split_of_k_gives_other_bits():
+    """Companion: what the tiles keep is K walked in one ascending chain; two chains (a fixed split
+    of K, as cuBLAS takes at small M) summed give other fp32 sums."""
+    from consistent_ops.triton import gemm
+    x, w, fp32 = rand(150, 200, seed=31), rand(136, 200, scale=0.07, seed=32), torch.float32
+    halves = sum(gemm.matmul(x[:, ks], w[:, ks], out_dtype=fp32) for ks in (slice(0, 96), slice(96, None)))
+    assert not torch.equal(gemm.matmul(x, w, out_dtype=fp32), halves)
+
+
 def test_rms_norm_and_fused_residual():
     x, r, w = rand(33, 256, seed=7), rand(33, 256, seed=8), rand(256, seed=9)
     assert rel(T.rms_norm(x, w, 1e-6), R.rms_norm(x, w, 1e-6)) < 1e-2

@@ -199,8 +199,7 @@ def test_linear_rows_across_every_tile_entry(shape):
     for m in (1, 4, 15, 16, 17, 64, 65, 128, 129, 256, 257, 512, 513, 2048):
         assert torch.equal(co.linear(x[:m], w), full[:m]), f"M={m}"
     entries = [*gemm._TINY.values(), *gemm._NARROW.values(), gemm._MID_NARROW, gemm._MID_WIDE, gemm._MID_SQUARE,
-               gemm._MID_TALL,
-               gemm._LARGE, gemm._HUGE, gemm._PINNED]
+               gemm._MID_TALL, gemm._LARGE, gemm._HUGE, gemm._PINNED]
     for cfg in entries:
         assert torch.equal(gemm.matmul(x[:300], w, cfg=cfg), full[:300]), cfg
 

@@ -41,7 +41,7 @@ _PINNED = _T["pinned"]
 # M <= 512: the narrowest that fits one wave. H200 (bench_triton --only probe_linear_mid, cold as in a
 # step, 2026-12-06): o_proj M 256 "mid_narrow" 14.2 us, "mid_wide" 19.7 (cuBLAS 10.8); the same bits.
 # H100 (the same probe, 2026-12-07): qkv M 256 "mid_square" 13.3 / 16.0 us warm / cold (one wave of 80
-# programs, 6 stages to hide the cold weight reads), "mid_tall" 13.8 / 18.0 (cuBLAS 11.9 / 14.2); the same bits.
+# programs, 6 stages to hide the cold weight reads), "mid_tall" 13.7 / 17.9 (cuBLAS 11.9 / 14.2); the same bits.
 _MID_NARROW, _MID_WIDE, _MID_SQUARE, _MID_TALL = _T["mid_narrow"], _T["mid_wide"], _T["mid_square"], _T["mid_tall"]
 _LARGE = _T["large"]
 _HUGE = _T["huge"]              # once it gives >= 2 waves of programs
