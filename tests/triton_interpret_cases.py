@@ -506,14 +506,14 @@ def _gemm_entries():
         yield from ((f"{name}-{k}", e) for k, e in entry.items()) if isinstance(entry, dict) else [(name, entry)]
 
 
-@pytest.mark.parametrize("name, cfg", list(_gemm_entries()), ids=[n for n, _ in _gemm_entries()])
-def test_every_gemm_tile_entry_gives_the_pinned_rows(name, cfg):
+@pytest.mark.parametrize("cfg", [pytest.param(e, id=n) for n, e in _gemm_entries()])
+def test_every_gemm_tile_entry_gives_the_pinned_rows(cfg):
     """Each entry of the contract's GEMM table, forced (the GPU picks them by M and N): the pinned
     entry's rows bit for bit, partial row and column tiles and a K that no BLOCK_K divides included
     (the GPU suite's test_linear_rows_across_every_tile_entry holds the MMAs to it)."""
     from consistent_ops.triton import gemm
     x, w, b = rand(150, 200, seed=31), rand(136, 200, scale=0.07, seed=32), rand(136, seed=33)
-    assert torch.equal(gemm.matmul(x, w, b, cfg=cfg), gemm.matmul(x, w, b, cfg=gemm._PINNED)), name
+    assert torch.equal(gemm.matmul(x, w, b, cfg=cfg), gemm.matmul(x, w, b, cfg=gemm._PINNED)), cfg
 
 
 def test_a_split_of_k_gives_other_bits():
