@@ -119,12 +119,12 @@ def touched_bytes(model, runner, batch):
     return dense + expert * sum(seen) + kv_tok * ctx, sum(seen) / len(seen)
 
 
-def decode_cases(model, bw, cases=DECODE_CASES):
+def decode_cases(model, bw, cases=DECODE_CASES, writes=True):
     """Each case on a KV cache of its own size, allocated and freed around it, so that the cases
     fitting beside the 48-layer weights run on an 80 GB card too (the weights take ~61 GB; one
     cache for the largest case, 52 GB, did not fit the H100, 2026-12-05); a case that does not fit
     is reported as skipped, with the memory it needs."""
-    runner = ModelRunner(model, pages=1, page_size=PAGE)
+    runner = ModelRunner(model, pages=1, page_size=PAGE, writes=writes)
     cfg = model.cfg
     g = torch.Generator(device=DEV).manual_seed(7)
     for b, ctx in cases:
@@ -310,6 +310,9 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--cases", help="decode cases B x context only, e.g. 1x1024,4x8192 (default: all), "
                                     "and no prefill cases")
+    ap.add_argument("--kv-write", choices=("prologue", "separate"), default="prologue",
+                    help="decode steps store K/V from the attention prologue, as vLLM's model class does "
+                         "(default), or in write_kv_cache's own launch, as before (to time the two)")
     args = ap.parse_args()
     cases = DECODE_CASES if args.cases is None else _parse_cases(args.cases)
     if not cases:
@@ -321,11 +324,12 @@ def main():
     bw = copy_bandwidth()
     META.update(date=str(datetime.date.today()), device=torch.cuda.get_device_name(), torch=torch.__version__,
                 contract=co.contract_fingerprint(), copy_tbs=round(bw, 3), layers=args.layers,
-                pdl=triton_common.PDL)   # programmatic dependent launch (CONSISTENT_OPS_PDL=0: off)
+                pdl=triton_common.PDL,   # programmatic dependent launch (CONSISTENT_OPS_PDL=0: off)
+                kv_write=args.kv_write)
     print(f"# {META}", flush=True)
     model = build_model(layers=args.layers)
     same = check_full_depth(model)
-    decode_cases(model, bw, cases)
+    decode_cases(model, bw, cases, writes=args.kv_write == "prologue")
     del model
     torch.cuda.empty_cache()
     if args.cases is None:

@@ -66,10 +66,11 @@ class PagedCache:
         return torch.tensor(table)[pos // self.page_size] * self.page_size + pos % self.page_size
 
 
-def paged_step(model, cache, chunks, layers=False):
+def paged_step(model, cache, chunks, layers=False, writes=False):
     """Run one engine step. chunks: list of (seq_id, tokens [n], start_pos). Returns fp32
     logits for every new token, concatenated, through the rollout-style paged path; layers: the
-    model also gets each layer's paged cache and metadata (as vLLM's model class passes them)."""
+    model also gets each layer's paged cache and metadata, writes: each layer's cache and slots (as
+    vLLM's model class passes them on the CPU and on the GPU)."""
     ids = torch.cat([t for _, t, _ in chunks])
     pos = torch.cat([torch.arange(s, s + len(t)) for _, t, s in chunks])
     slots = torch.cat([cache.slots(sid, s, len(t)) for sid, t, s in chunks])
@@ -79,11 +80,13 @@ def paged_step(model, cache, chunks, layers=False):
     table = torch.tensor([cache.tables[sid] + [0] * (width - len(cache.tables[sid])) for sid, _, _ in chunks])
 
     def attend(i, q, k, v):
-        co.write_kv_cache(k, v, cache.k[i], cache.v[i], slots)
+        if k is not None:       # else the layer stored them (writes)
+            co.write_kv_cache(k, v, cache.k[i], cache.v[i], slots)
         return co.attention_paged(q, cache.k[i], cache.v[i], table, seq_lens, qsl)
 
     paged = (lambda i: (cache.k[i], cache.v[i], slots, table, seq_lens, qsl)) if layers else None
-    return model.compute_logits(model.model(ids, pos, attend, paged=paged))
+    kv = (lambda i: (cache.k[i], cache.v[i], slots)) if writes else None
+    return model.compute_logits(model.model(ids, pos, attend, paged=paged, cache=kv))
 
 
 def free_port():

@@ -59,6 +59,8 @@ def test_gpu_benchmarks_refuse_a_process_without_cuda(script, argv, what):
 def test_bench_rollout_gpu_refuses_bad_cases():
     assert _run("benchmarks/bench_rollout_gpu.py", "--cases", "1by1024") == (
         2, "bench_rollout_gpu.py: error: --cases '1by1024': expected B x context pairs such as 1x1024,4x8192")
+    rc, line = _run("benchmarks/bench_rollout_gpu.py", "--kv-write", "fused")
+    assert rc == 2 and line.startswith("bench_rollout_gpu.py: error: argument --kv-write: invalid choice: 'fused'")
 
 
 @pytest.mark.parametrize("arg", ["two", "0"])

@@ -22,13 +22,14 @@ def trainer_logits(model, seqs):
         return model.forward_packed(ids, pos).split([len(s) for s in seqs])
 
 
-def rollout_logits(model, seqs, chunk, page_size, layers=False):
-    """Every sequence advances `chunk` tokens per engine step, all in one batch (layers: paged_step's)."""
+def rollout_logits(model, seqs, chunk, page_size, layers=False, writes=False):
+    """Every sequence advances `chunk` tokens per engine step, all in one batch (layers, writes:
+    paged_step's)."""
     cache, out = PagedCache(model.cfg, page_size, seed=page_size), [[] for _ in seqs]
     with torch.no_grad():
         for start in range(0, max(map(len, seqs)), chunk):
             live = [(i, s[start:start + chunk], start) for i, s in enumerate(seqs) if start < len(s)]
-            logits = paged_step(model, cache, live, layers).split([len(t) for _, t, _ in live])
+            logits = paged_step(model, cache, live, layers, writes).split([len(t) for _, t, _ in live])
             for (i, _, _), lg in zip(live, logits):
                 out[i].append(lg)
     return [torch.cat(o) for o in out]
@@ -117,6 +118,38 @@ def test_stacked_qkv_norms_rope_and_v_in_one_call(monkeypatch):
     model.model.layers[0].self_attn.k_norm.register_forward_hook(lambda *_: None)
     rollout_logits(model, seqs[:1], 1000, 16)
     assert calls == [True] * (len(model.model.layers) - 1)
+
+
+def test_the_prologue_stores_k_and_v_where_the_rollout_passes_its_cache(monkeypatch):
+    """Where the backend's qk_norm_rope takes the rollout's cache (Triton), each fused layer hands it
+    the layer's cache and slots, and attend gets k = v = None (vLLM's Attention then skips its cache
+    update): the trainer's bits (here the ops and write_kv_cache themselves); a layer it cannot serve
+    (None) runs the ops and the write. Companion: a prologue storing other values gives other logits."""
+    import consistent_ops as co
+    monkeypatch.setattr(co, "attention_prologue", lambda *args: None)
+    stored, scale = [], [1]
+
+    def ops(q, k, v, q_norm, k_norm, eps, cos, sin, cache=None):
+        q, k = (co.apply_rope(co.rms_norm(x, w, eps), cos, sin) for x, w in ((q, q_norm), (k, k_norm)))
+        if cache is None:
+            return q, k, v.contiguous()
+        if scale[0] is None:
+            return None
+        stored.append(True)
+        co.write_kv_cache(k, v * scale[0], *cache)
+        return q, None, None
+
+    monkeypatch.setattr(co, "qk_norm_rope", ops)
+    model, seqs = random_model(tiny_config("qwen3_moe")), prompts()
+    ref = trainer_logits(model, seqs)
+    fuse(model)
+    for scale[0] in (1, None):
+        got = rollout_logits(model, seqs, 13, 16, writes=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        assert bool(stored) == (scale[0] == 1)          # None: the ops and the write ran
+        stored.clear()
+    scale[0] = 2
+    assert not all(torch.equal(a, b) for a, b in zip(rollout_logits(model, seqs, 13, 16, writes=True), ref))
 
 
 def test_fused_calls_leave_hooked_modules_to_their_forward():

@@ -37,10 +37,11 @@ def compile_h200(kernel, types, constexprs, divisible, **options):
     return triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=H200, options=dict(**options, **EXACT))
 
 
-def reduce_layouts(kernel, tensors, dtype, constexprs, divisible, num_warps):
+def reduce_layouts(kernel, tensors, dtype, constexprs, divisible, num_warps, types=()):
     """[(shape, layout)] of kernel's tt.reduce operands compiled for the H200; tensors: the arguments
-    of the activation dtype (Cos/Sin: fp32, Hf and eps: fp32 scalars)."""
-    types = {"Hf": "fp32", "eps": "fp32", "Cos": "*fp32", "Sin": "*fp32", **{t: "*" + dtype for t in tensors}}
+    of the activation dtype (Cos/Sin: fp32, Hf and eps: fp32 scalars); types: any other argument's."""
+    types = {"Hf": "fp32", "eps": "fp32", "Cos": "*fp32", "Sin": "*fp32", **{t: "*" + dtype for t in tensors},
+             **dict(types)}
     ir = compile_h200(kernel, types, constexprs, divisible, num_warps=num_warps).asm["ttgir"]
     layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<(.*)>$", ir, re.M))
     operands = re.findall(r'"tt\.reduce".*?\}\) : \(tensor<(\w+), (#\w+)>', ir, re.S)
@@ -65,6 +66,16 @@ def test_prologue_reduces_on_the_rms_norm_layout(d, dtype, aligned):
     fused = reduce_layouts(prologue._qk_norm_rope_kernel, PROLOGUE_TENSORS, dtype, {"ROWS": rows, "D": block},
                            TOKEN_STRIDES if aligned else set(), warps)
     assert fused == [rms_norm_layout(d, dtype)] * 2
+
+
+def test_prologue_storing_into_the_cache_reduces_on_the_same_layout():
+    """The decode step's variant (k and v stored at their slots of the paged cache) reduces as the
+    plain one, on rms_norm's layout."""
+    rows, block, warps = norm._shape(128)
+    fused = reduce_layouts(prologue._qk_norm_rope_kernel, PROLOGUE_TENSORS, "bf16",
+                           {"ROWS": rows, "D": block, "PAGE": 16, "CACHE": True}, TOKEN_STRIDES, warps,
+                           types={"Slots": "*i64"})
+    assert fused == [rms_norm_layout(128, "bf16")] * 2
 
 
 def test_one_head_a_program_reduces_on_another_layout():

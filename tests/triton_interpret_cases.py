@@ -606,6 +606,51 @@ def test_qk_norm_rope_leaves_unaddressed_layouts_to_the_ops():
         assert T.qk_norm_rope(q.clone().requires_grad_(), k, v, w, w, 1e-6, cos, sin) is not None
 
 
+@pytest.mark.parametrize("page, layout", [(16, "token-major"), (48, "head-major")])
+def test_qk_norm_rope_stores_k_and_v_as_the_cache_write_does(page, layout):
+    """Given the rollout's cache, the one launch stores k's and v's rows at their slots: the cache ==
+    qk_norm_rope's k and v through write_kv_cache, bit for bit (slot -1 rows: nothing stored; a slot
+    table longer than the batch, as vLLM's padded one), and q is the same; the slots one place on
+    store other bits there."""
+    t, hkv, d = 5, 2, 32
+    q, k, v = _stacked_qkv(t, 4, hkv, d, seed=86)
+    wq, wk = ((1 + 0.1 * rand(d, seed=s).float()).to(BF16) for s in (87, 88))
+    cos, sin = R.rope_cos_sin(torch.arange(t) * 41 + 3, d, 1e6)
+    slots = torch.tensor([page + 3, -1, 2 * page - 1, 0, 3 * page + 5, -1, 7])
+
+    def caches():
+        shape = (4, page, hkv, d) if layout == "token-major" else (4, hkv, page, d)
+        made = [torch.full(shape, float("nan"), dtype=BF16) for _ in range(2)]
+        return made if layout == "token-major" else [c.transpose(1, 2) for c in made]
+
+    fq, fk, fv = T.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    want = caches()
+    T.write_kv_cache(fk, fv, *want, slots)
+    got = caches()
+    assert T.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin, cache=(*got, slots))[1:] == (None, None)
+    out = T.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin, cache=(*caches(), slots))
+    assert torch.equal(out[0], fq)
+    for a, b in zip(got, want):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert got[0].isnan().sum() == (4 * page - 4) * hkv * d       # 4 of the 5 tokens have a slot
+    moved = caches()
+    T.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin, cache=(*moved, torch.where(slots >= 0, slots + 1, slots)))
+    assert not torch.equal(moved[0].nan_to_num(7.0), want[0].nan_to_num(7.0))
+
+
+def test_qk_norm_rope_leaves_a_cache_it_cannot_address_to_the_write():
+    """None (the caller runs the ops and write_kv_cache) where the cache write's addressing does not
+    hold: fewer slots than tokens, another dtype, other heads."""
+    q, k, v = _stacked_qkv(3, 4, 2, 32, seed=89)
+    w, cos, sin = rand(32, seed=90), *R.rope_cos_sin(torch.arange(3), 32, 1e6)
+    cache = [torch.zeros(2, 16, 2, 32, dtype=BF16) for _ in range(2)]
+    slots = torch.arange(3)
+    assert T.qk_norm_rope(q, k, v, w, w, 1e-6, cos, sin, cache=(*cache, slots)) is not None
+    assert T.qk_norm_rope(q, k, v, w, w, 1e-6, cos, sin, cache=(*cache, slots[:2])) is None
+    assert T.qk_norm_rope(q, k, v, w, w, 1e-6, cos, sin, cache=(*(c.float() for c in cache), slots)) is None
+    assert T.qk_norm_rope(q, k, v, w, w, 1e-6, cos, sin, cache=(*(c[:, :, :1] for c in cache), slots)) is None
+
+
 def test_log_softmax_temperature_and_vocab_limit():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 9000, generator=g) * 4

@@ -48,12 +48,14 @@ def attention_prologue(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim):
     return fused(x, wq, wk, wv, q_norm, k_norm, eps, cos, sin, head_dim) if fused else None
 
 
-def qk_norm_rope(q, k, v, q_norm, k_norm, eps, cos, sin):
+def qk_norm_rope(q, k, v, q_norm, k_norm, eps, cos, sin, cache=None):
     """(apply_rope(rms_norm(q, q_norm, eps), cos, sin), the same of k with k_norm, v contiguous) for q
     [T, Hq, D] and k/v [T, Hkv, D], e.g. column blocks of one q/k/v GEMM output read in place, in one
-    call where the backend has one for these tensors (the same bits as those ops); None otherwise."""
+    call where the backend has one for these tensors (the same bits as those ops); None otherwise.
+    cache=(key_cache, value_cache, slot_mapping): k and v are stored there instead, as write_kv_cache
+    stores them, and (q, None, None) is returned (None where the call cannot: run the ops, then the write)."""
     fused = getattr(get_backend(), "qk_norm_rope", None)
-    return fused(q, k, v, q_norm, k_norm, eps, cos, sin) if fused else None
+    return fused(q, k, v, q_norm, k_norm, eps, cos, sin, cache) if fused else None
 
 
 def linear_add_rms_norm(x, weight, residual, norm_weight, eps):

@@ -91,16 +91,23 @@ class PagedKV:
 
     def attend(self, layer, q, k, v, step):
         slots, _, bt, seq_lens, qsl = step
-        co.write_kv_cache(k, v, self.k[layer], self.v[layer], slots)
+        if k is not None:       # else the layer's prologue stored them (forward's writes)
+            co.write_kv_cache(k, v, self.k[layer], self.v[layer], slots)
         return co.attention_paged(q, self.k[layer], self.v[layer], bt, seq_lens, qsl)
+
+    def forward(self, model, ids, step, writes):
+        """model.model's hidden states for this step; writes: each layer's cache and slots passed as
+        vLLM's model class passes them at decode, so the attention prologue may store k and v."""
+        cache = (lambda i: (self.k[i], self.v[i], step[0])) if writes else None
+        return model.model(ids, step[1], lambda i, q, k, v: self.attend(i, q, k, v, step), cache=cache)
 
 
 class ModelRunner:
-    """Rollout side of a CausalLM: steps of mixed prefill chunks and decodes."""
+    """Rollout side of a CausalLM: steps of mixed prefill chunks and decodes (writes: PagedKV.forward's)."""
 
-    def __init__(self, model, pages=4096, page_size=16, seed=0):
+    def __init__(self, model, pages=4096, page_size=16, seed=0, writes=True):
         cfg = model.cfg
-        self.model = model
+        self.model, self.writes = model, writes
         self.kv = PagedKV(cfg.num_layers, pages, page_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                           next(model.parameters()).device, seed)
 
@@ -109,8 +116,7 @@ class ModelRunner:
         """batch: [(seq_id, token_ids [n])]. Returns fp32 logits [sum n, V] in batch order."""
         step = self.kv.plan([(sid, len(t)) for sid, t in batch])
         ids = torch.cat([t for _, t in batch]).to(step[1].device)
-        hidden = self.model.model(ids, step[1], lambda i, q, k, v: self.kv.attend(i, q, k, v, step))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self.kv.forward(self.model, ids, step, self.writes))
 
 
 class GraphRunner:
@@ -138,7 +144,7 @@ class GraphRunner:
 
     def _forward(self, bufs):
         step = (bufs["slots"], bufs["pos"], bufs["table"], bufs["seq_lens"], bufs["qsl"])
-        hidden = self.model.model(bufs["ids"], bufs["pos"], lambda i, q, k, v: self.kv.attend(i, q, k, v, step))
+        hidden = self.kv.forward(self.model, bufs["ids"], step, self.runner.writes)
         return self.model.compute_logits(hidden[bufs["last"]] if self.last_only else hidden)
 
     @torch.no_grad()

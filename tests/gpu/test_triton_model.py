@@ -105,8 +105,8 @@ def test_fused_prologue_equals_separate_ops(tokens, monkeypatch):
     fuse(model)
     real, hits = co.qk_norm_rope, []
 
-    def counted(*args):
-        out = real(*args)
+    def counted(*args, **kw):
+        out = real(*args, **kw)
         hits.append(out is not None)
         return out
 
@@ -115,7 +115,7 @@ def test_fused_prologue_equals_separate_ops(tokens, monkeypatch):
     monkeypatch.setattr(co, "qk_norm_rope", counted)
     fused = run(model, tokens, sched)
     assert hits and all(hits)
-    monkeypatch.setattr(co, "qk_norm_rope", lambda *args: None)
+    monkeypatch.setattr(co, "qk_norm_rope", lambda *args, **kw: None)
     separate = run(model, tokens, sched)
     for f, s in zip(fused, separate):
         assert sorted(f) == sorted(s) and all(torch.equal(f[i], s[i]) for i in f)

@@ -287,3 +287,30 @@ def test_qk_norm_rope_equals_rms_norm_then_rope(t):
     assert not torch.equal(co.qk_norm_rope(q, k, v, wq, wk, 1e-2, cos, sin)[1], fused[1])
     moved = co.rope_cos_sin(torch.arange(t, device=DEV) * 3 + 12, d, 1e6)
     assert not torch.equal(co.qk_norm_rope(q, k, v, wq, wk, 1e-6, *moved)[0], fused[0])
+
+
+@pytest.mark.parametrize("t", [1, 7, 64])
+def test_qk_norm_rope_stores_k_and_v_as_the_cache_write_does(t):
+    """Given the paged cache (vLLM's split K/V views of one [2, pages, 16, Hkv, D] tensor) and slots
+    (-1 on padded rows, the table longer than the batch), the one launch stores k and v there: the
+    cache == qk_norm_rope's k and v through write_kv_cache, bit for bit, q the same; slots one place on
+    store other bits."""
+    hq, hkv, d, page = 32, 4, 128, 16
+    q, k, v = (p.view(t, -1, d) for p in rand(t, (hq + 2 * hkv) * d, seed=60 + t).split([hq * d, hkv * d, hkv * d], 1))
+    wq, wk = ((1 + 0.1 * rand(d, seed=s, dtype=torch.float32)).to(BF16) for s in (61, 62))
+    cos, sin = co.rope_cos_sin(torch.arange(t, device=DEV) * 5 + 3, d, 1e6)
+    slots = torch.randperm(8 * page, device=DEV)[:t + 3]
+    slots[1::3] = -1
+
+    def caches():
+        both = torch.full((2, 8, page, hkv, d), float("nan"), dtype=BF16, device=DEV)
+        return both[0], both[1]
+
+    fq, fk, fv = co.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin)
+    want, got, moved = caches(), caches(), caches()
+    co.write_kv_cache(fk, fv, *want, slots)
+    out = co.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin, cache=(*got, slots))
+    assert torch.equal(out[0], fq) and out[1:] == (None, None)
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(got, want))
+    co.qk_norm_rope(q, k, v, wq, wk, 1e-6, cos, sin, cache=(*moved, torch.where(slots >= 0, (slots + 1) % (8 * page), slots)))
+    assert not torch.equal(moved[0].nan_to_num(7.0), want[0].nan_to_num(7.0))

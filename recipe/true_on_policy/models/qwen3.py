@@ -45,8 +45,10 @@ class Attention(nn.Module):
         self.fused = False      # the rollout's modules (vllm/model.py): fused native calls where unhooked
         self.qkv_weight = None  # the rollout's: q/k/v weights as row blocks of one tensor (fuse)
 
-    def qkv(self, x, rope):
-        """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]."""
+    def qkv(self, x, rope, cache=None):
+        """Projections, per-head q/k RMSNorm, RoPE. Returns q [T, Hq, D], k, v [T, Hkv, D]; or, given the
+        rollout's cache (key cache, value cache, slot mapping) and a backend that can, (q, None, None)
+        with k and v already stored there (co.qk_norm_rope: one launch fewer a layer)."""
         qp, kp, vp, qn, kn = _children(self, "q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
         projections, norms = (qp, kp, vp), (qn, kn)
         if self.fused and qp.bias is None and not _hooked(*projections, *norms):
@@ -59,8 +61,11 @@ class Attention(nn.Module):
             out = co.linear(x, self.qkv_weight.to(x.dtype)).split([m.weight.shape[0] for m in projections], 1)
             q, k, v = (part.view(t, -1, d) for part in out)
             # the norms, RoPE and v's copy read q/k/v in place, in one call where the backend has one
-            fused = None if _hooked(*norms) else co.qk_norm_rope(q, k, v, qn.weight, kn.weight, qn.eps, rope.cos,
-                                                                 rope.sin)
+            fused = None
+            if not _hooked(*norms):
+                args = (q, k, v, qn.weight, kn.weight, qn.eps, rope.cos, rope.sin)
+                fused = None if cache is None else co.qk_norm_rope(*args, cache=cache)
+                fused = fused or co.qk_norm_rope(*args)
             if fused is not None:
                 return fused
             v = v.contiguous()
@@ -68,9 +73,10 @@ class Attention(nn.Module):
             q, k, v = (m(x).view(t, -1, d) for m in projections)
         return rope.apply(qn(q)), rope.apply(kn(k)), v
 
-    def heads(self, x, rope, attend):
-        """The attention output [T, Hq * D] (o_proj's input)."""
-        q, k, v = self.qkv(x, rope)
+    def heads(self, x, rope, attend, cache=None):
+        """The attention output [T, Hq * D] (o_proj's input). cache: see qkv; attend then gets k = v = None
+        where the cache holds them already."""
+        q, k, v = self.qkv(x, rope, cache)
         return attend(q, k, v).reshape(x.shape[0], -1)
 
     def forward(self, x, rope, attend):
@@ -250,19 +256,21 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
-    def forward(self, hidden, residual, rope, attend, paged=None):
+    def forward(self, hidden, residual, rope, attend, paged=None, cache=None):
         """HF order: x = x + attn(norm(x)); x = x + mlp(norm(x)); the residual add is
         fused into the next norm (the same bf16 add either way). paged: the host's (key cache, value
         cache, slot mapping, block table, seq_lens, query_start_loc) of this layer's step (what attend
         passes attention_paged), where the rollout lets the whole layer be one call (co.decode_layer:
-        the same ops' bits); None, or a layer the call does not cover, runs the ops."""
+        the same ops' bits); None, or a layer the call does not cover, runs the ops. cache: the host's
+        (key cache, value cache, slot mapping) of this layer's step, where the rollout lets the
+        attention's prologue store k and v (Attention.qkv)."""
         if paged is not None:
             out = self._decode(hidden, residual, rope, paged)
             if out is not None:
                 return out
         norm, mlp = _children(self, "input_layernorm", "mlp")
         h, residual = norm(hidden, residual, fuse_residual=True)
-        h, residual = self._attention(h, residual, rope, attend)
+        h, residual = self._attention(h, residual, rope, attend, cache)
         return mlp(h), residual
 
     def _decode(self, hidden, residual, rope, paged):
@@ -289,13 +297,13 @@ class DecoderLayer(nn.Module):
                                     n_post.eps, **ffn)
         return co.decode_layer(hidden, residual, weights, rope.cos, rope.sin, *paged)
 
-    def _attention(self, h, residual, rope, attend):
+    def _attention(self, h, residual, rope, attend, cache=None):
         """Attention and the post-attention residual add + RMSNorm; in the rollout o_proj, the add
-        and the norm are one call where the backend has one (the same bits)."""
+        and the norm are one call where the backend has one (the same bits). cache: Attention.qkv's."""
         attn, norm = _children(self, "self_attn", "post_attention_layernorm")
         o, = _children(attn, "o_proj")
         if attn.fused and o.tp.size == 1 and o.bias is None and not _hooked(attn, o, norm):
-            heads = attn.heads(h, rope, attend)
+            heads = attn.heads(h, rope, attend, cache)
             out = co.linear_add_rms_norm(heads, *_weights(o), residual, *_weights(norm), norm.eps)
             return out if out is not None else norm(o(heads), residual, fuse_residual=True)
         return norm(attn(h, rope, attend), residual, fuse_residual=True)
@@ -312,9 +320,10 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.gradient_checkpointing = False   # the name transformers' switch sets
 
-    def forward(self, input_ids, positions, attend, hidden=None, paged=None):
-        """attend(layer_idx, q, k, v) -> [T, Hq, D]; ``hidden`` overrides the embedding; paged(layer_idx):
-        the layer's paged cache and metadata (DecoderLayer.forward) or None, from a host that has them."""
+    def forward(self, input_ids, positions, attend, hidden=None, paged=None, cache=None):
+        """attend(layer_idx, q, k, v) -> [T, Hq, D]; ``hidden`` overrides the embedding; paged(layer_idx),
+        cache(layer_idx): the layer's paged cache and metadata, its cache and slots (DecoderLayer.forward)
+        or None, from a host that has them."""
         if hidden is None:
             hidden = self.embed_tokens(input_ids, self.cfg.dtype)
         rope = RotaryTable(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
@@ -324,7 +333,7 @@ class Qwen3Model(nn.Module):
             args = (hidden, residual, rope, lambda q, k, v, i=i: attend(i, q, k, v))
             # Recomputation repeats the same ops on the same inputs: the same bits.
             hidden, residual = (checkpoint(layer, *args, use_reentrant=False) if recompute
-                                else layer(*args, paged(i) if paged else None))
+                                else layer(*args, paged(i) if paged else None, cache(i) if cache else None))
         return self.norm(hidden, residual, fuse_residual=True)[0]
 
 

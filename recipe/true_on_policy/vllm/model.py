@@ -79,6 +79,8 @@ class TrueOnPolicyForCausalLM(CausalLM):
         fuse(self.model)      # plain modules here (no trainer wrappers or adapters)
         # CPU decode steps: each layer one native call (co.decode_layer), the cache and metadata read here
         self.layer_calls = co.backend_name() == "reference" and tp.size == 1
+        # else decode steps store k and v from the attention prologue where the backend's has that (Triton)
+        self.prologue_writes = not self.layer_calls and getattr(co.get_backend(), "qk_norm_rope", None) is not None
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
@@ -101,12 +103,11 @@ class TrueOnPolicyForCausalLM(CausalLM):
         out = self.model.layers[layer_idx].self_attn.attn(q, k, v)
         return out.view(q.shape)
 
-    def _paged(self, layer_idx):
-        """What vLLM's Attention layer would pass the backend for this layer's step (Qwen3Model.forward's
-        paged): (K, V cache views, slot mapping, block table, seq_lens, query_start_loc), when the step is
+    def _decode_step(self, layer_idx):
+        """(vLLM's Attention layer, its metadata, its slot mapping) for this layer's step when the step is
         a decode step, one attention call over every row (ConsistentAttentionImpl.forward's single group of
-        one new token per request), and nothing else hooks the layer's attention (a KV connector: vLLM's layer then runs);
-        else None. The layer then writes and reads the cache itself, as do_kv_cache_update and forward do."""
+        one new token per request), and nothing else hooks the layer's attention (a KV connector: vLLM's
+        layer then runs); else None."""
         attn = self.model.layers[layer_idx].self_attn.attn
         ctx = get_forward_context()
         meta, slots = ctx.attn_metadata, ctx.slot_mapping
@@ -118,8 +119,30 @@ class TrueOnPolicyForCausalLM(CausalLM):
         slots = slots.get(attn.layer_name)
         if slots is None or has_kv_transfer_group():
             return None
+        return attn, meta, slots
+
+    def _paged(self, layer_idx):
+        """At a decode step (_decode_step's), what vLLM's Attention layer would pass the backend
+        (Qwen3Model.forward's paged): (K, V cache views, slot mapping, block table, seq_lens,
+        query_start_loc); else None. The layer then writes and reads the cache itself, as
+        do_kv_cache_update and forward do."""
+        step = self._decode_step(layer_idx)
+        if step is None:
+            return None
+        attn, meta, slots = step
         g = meta.groups[0]
         return (*attn.impl.caches(attn.kv_cache), slots[:meta.num_tokens], g.block_table, g.seq_lens, g.query_start_loc)
+
+    def _cache(self, layer_idx):
+        """At a decode step (_decode_step's), the layer's (K, V cache views, slot mapping) as
+        do_kv_cache_update gets them (-1 on padded rows): its attention prologue may store k and v there
+        (Attention.qkv), and attend then gets k = v = None, which makes vLLM's Attention skip its cache
+        update and run the attention alone."""
+        step = self._decode_step(layer_idx)
+        if step is None:
+            return None
+        attn, _, slots = step
+        return (*attn.impl.caches(attn.kv_cache), slots)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids, self.cfg.dtype)
@@ -128,7 +151,8 @@ class TrueOnPolicyForCausalLM(CausalLM):
         if intermediate_tensors is not None:
             raise NotImplementedError("true_on_policy: pipeline parallelism is not supported")
         return self.model(input_ids, positions, self._attend, hidden=inputs_embeds,
-                          paged=self._paged if self.layer_calls else None)
+                          paged=self._paged if self.layer_calls else None,
+                          cache=self._cache if self.prologue_writes else None)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits, identical on every TP rank (each rank runs the sampler). The first call
