@@ -81,6 +81,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
         self.layer_calls = co.backend_name() == "reference" and tp.size == 1
         # else decode steps store k and v from the attention prologue where the backend's has that (Triton)
         self.prologue_writes = not self.layer_calls and getattr(co.get_backend(), "qk_norm_rope", None) is not None
+        self.prologue_logged = False
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
@@ -142,6 +143,9 @@ class TrueOnPolicyForCausalLM(CausalLM):
         if step is None:
             return None
         attn, _, slots = step
+        if not self.prologue_logged:     # once: the engine log shows the path was taken (e.g. at graph capture)
+            self.prologue_logged = True
+            log.info("true_on_policy: decode steps store K/V from the attention prologue (no write_kv_cache launch)")
         return (*attn.impl.caches(attn.kv_cache), slots)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
