@@ -96,8 +96,9 @@ class PagedKV:
         return co.attention_paged(q, self.k[layer], self.v[layer], bt, seq_lens, qsl)
 
     def forward(self, model, ids, step, writes):
-        """model.model's hidden states for this step; writes: each layer's cache and slots passed as
-        vLLM's model class passes them at decode, so the attention prologue may store k and v."""
+        """model.model's hidden states for this step; writes: each layer's cache and slots passed, so the
+        attention prologue may store k and v (vLLM's model class passes them at decode steps; here at
+        every step, prefill chunks and mixed batches too, which the prologue serves alike)."""
         cache = (lambda i: (self.k[i], self.v[i], step[0])) if writes else None
         return model.model(ids, step[1], lambda i, q, k, v: self.attend(i, q, k, v, step), cache=cache)
 
