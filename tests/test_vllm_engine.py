@@ -60,6 +60,7 @@ def assert_exact(res, s):
     assert s["untruncated_max_abs_logdiff"] > 0 and s["untruncated_frac_exact"] < 1
     assert s["max_abs_logdiff"] == 0.0 and s["mean_abs_logdiff"] == 0.0 and s["frac_exact"] == 1.0
     assert s["rollout_fingerprint"] == s["trainer_fingerprint"] is not None
+    assert any(s["rollout_fingerprint"] in line for line in s["plugin_log"]), s["plugin_log"]   # each worker's model
     for phase in s["phases"]:
         assert phase["num_tokens"] >= MIN_TOKENS and phase["num_exact"] == phase["num_tokens"]
     assert s["chunked_prompts"] > 0 and s["prefix_cache_hits"] > 0
@@ -79,11 +80,12 @@ def test_dense_tp1_greedy_minp_fp32_checkpoint_chunked_prefix_cached_is_exact(tm
     res, s = run_check(tmp_path, "--model", models["qwen3_fp32"], "--temperature", 0, "--min-p", 0.05,
                        "--max-num-batched-tokens", 64, "--enable-prefix-caching")
     assert_exact(res, s)
+    assert "decode steps run each layer as one native call (co.decode_layer)" in s["plugin_log"]
 
 
 def test_stock_vllm_differs(tmp_path, models):
     res, s = run_check(tmp_path, "--model", models["qwen3_moe"], command="python -m true_on_policy.check --stock")
-    assert res.returncode == 1 and s["num_tokens"] >= MIN_TOKENS
+    assert res.returncode == 1 and s["num_tokens"] >= MIN_TOKENS and s["plugin_log"] == []
     assert s["max_abs_logdiff"] > 0 and s["frac_exact"] < 1
 
 

@@ -27,7 +27,7 @@ import torch
 
 from true_on_policy import scheme, truncation
 from true_on_policy.check.prompts import make_prompts
-from true_on_policy.check.report import compare_phases, print_summary, summary_json
+from true_on_policy.check.report import compare_phases, plugin_log, print_summary, summary_json
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "true_on_policy"
 
@@ -279,7 +279,8 @@ def main(argv=None):
             localize = localize_exact(args, rollout, result, workdir)
     finally:
         rollout.close()
-    summary = {**summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0), **gap}
+    log = plugin_log(workdir / "vllm.log")
+    summary = {**summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0, log), **gap}
     print_summary(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -3,6 +3,8 @@
 JSON keys num_tokens, max_abs_logdiff, mean_abs_logdiff and frac_exact are a stable
 interface (CI and the H200 runs read them); new keys may be added, never renamed.
 """
+from pathlib import Path
+
 import torch
 
 PHASE_NAMES = ("initial", "updated")
@@ -27,13 +29,28 @@ def compare_phases(phases, trainer):
     return {"phases": per_phase, "total": _stats(torch.cat(diffs)), "first_mismatch": first}
 
 
+PLUGIN_LOG_MARK = "true_on_policy: "       # how the plugin starts its log lines
+
+
+def plugin_log(log_path):
+    """The plugin's own lines in the engine's log, each once, in order: what it registered, each
+    worker's model and contract, the decode paths it took (e.g. K/V stored by the attention
+    prologue). [] for a stock engine (JSON key plugin_log)."""
+    lines = {}
+    for line in Path(log_path).read_text(errors="replace").splitlines():
+        _, mark, message = line.partition(PLUGIN_LOG_MARK)
+        if mark:
+            lines.setdefault(message.strip(), None)
+    return list(lines)
+
+
 def _stats(d):
     n = d.numel()
     return {"num_tokens": n, "num_exact": int((d == 0).sum()), "frac_exact": float((d == 0).sum()) / max(n, 1),
             "max_abs_logdiff": float(d.max()) if n else 0.0, "mean_abs_logdiff": float(d.mean()) if n else 0.0}
 
 
-def summary_json(args, plan, model_dir, result, stats, localize, wall_s):
+def summary_json(args, plan, model_dir, result, stats, localize, wall_s, log):
     gen_tokens = stats["total"]["num_tokens"]
     chunked = sum(len(p) > args.max_num_batched_tokens for p in plan["prompts"])
     out = dict(stats["total"])
@@ -50,7 +67,7 @@ def summary_json(args, plan, model_dir, result, stats, localize, wall_s):
         rollout_fingerprint=result.get("fingerprint"), trainer_fingerprint=_trainer_fingerprint(args, model_dir),
         engine_start_s=result.get("engine_start_s"), generate_s=result.get("generate_s"),
         rollout_tokens_per_s=gen_tokens / result["generate_s"] if result.get("generate_s") else None,
-        wall_s=wall_s, localize=localize)
+        wall_s=wall_s, localize=localize, plugin_log=list(log))
     return out
 
 
@@ -89,6 +106,7 @@ def print_summary(s):
         f"{s['num_sequences']} sequences",
         f"  scheduling  max_num_batched_tokens={s['max_num_batched_tokens']} ({s['chunked_prompts']} prompts "
         f"chunked), prefix caching {'on' if s['enable_prefix_caching'] else 'off'}{hits}, page {s['block_size']}",
+        *(f"  plugin      {line}" for line in s["plugin_log"]),
         "-" * 78,
         f"  {'phase':<10}{'tokens':>8}{'exact':>8}{'frac_exact':>12}{'max|d|':>14}{'mean|d|':>14}",
     ]

@@ -81,7 +81,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
         self.layer_calls = co.backend_name() == "reference" and tp.size == 1
         # else decode steps store k and v from the attention prologue where the backend's has that (Triton)
         self.prologue_writes = not self.layer_calls and getattr(co.get_backend(), "qk_norm_rope", None) is not None
-        self.prologue_logged = False
+        self.paths_logged = set()      # decode paths taken, each logged once (check's plugin_log reads them)
         # reported by the worker (plugin.py); the model's numerics in it, as the trainer's (scoring.Scoring)
         self.contract_fingerprint = co.contract_fingerprint(cfg.numerics())
         self.logits_warm = co.backend_name() not in TILED_BACKENDS   # nothing to compile (warm_logits)
@@ -122,6 +122,12 @@ class TrueOnPolicyForCausalLM(CausalLM):
             return None
         return attn, meta, slots
 
+    def _log_path(self, path):
+        """Once per path: the engine's log shows it was taken (on the GPU at graph capture)."""
+        if path not in self.paths_logged:
+            self.paths_logged.add(path)
+            log.info("true_on_policy: %s", path)
+
     def _paged(self, layer_idx):
         """At a decode step (_decode_step's), what vLLM's Attention layer would pass the backend
         (Qwen3Model.forward's paged): (K, V cache views, slot mapping, block table, seq_lens,
@@ -131,6 +137,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
         if step is None:
             return None
         attn, meta, slots = step
+        self._log_path("decode steps run each layer as one native call (co.decode_layer)")
         g = meta.groups[0]
         return (*attn.impl.caches(attn.kv_cache), slots[:meta.num_tokens], g.block_table, g.seq_lens, g.query_start_loc)
 
@@ -143,9 +150,7 @@ class TrueOnPolicyForCausalLM(CausalLM):
         if step is None:
             return None
         attn, _, slots = step
-        if not self.prologue_logged:     # once: the engine log shows the path was taken (e.g. at graph capture)
-            self.prologue_logged = True
-            log.info("true_on_policy: decode steps store K/V from the attention prologue (no write_kv_cache launch)")
+        self._log_path("decode steps store K/V from the attention prologue (no write_kv_cache launch)")
         return (*attn.impl.caches(attn.kv_cache), slots)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
