@@ -492,7 +492,9 @@ class GpuSampler:
 
 
 def run_engine(args, engine, name=None):
-    """One engine process (name: its log's name under --logs) -> its @@result."""
+    """One engine process (name: its log's name under --logs) -> its @@result, with the plugin's
+    own log lines (plugin_log: the decode paths it took; [] for stock)."""
+    from true_on_policy.check.report import PLUGIN_LOG_MARK, plugin_log
     env = {k: v for k, v in os.environ.items() if k != "TRUE_ON_POLICY"}
     env["TRUE_ON_POLICY"] = "1" if engine == "plugin" else "0"
     if args.profile or args.host_times:    # engine core in this process, so the profiler / HostTimes see it
@@ -504,14 +506,16 @@ def run_engine(args, engine, name=None):
             if k not in ("json", "child", "engines", "rounds", "logs") and v is not False and v is not None]
     proc = subprocess.Popen([sys.executable, __file__, *argv, "--child", engine], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
-    tail = []
+    tail, plugin = [], []
     log = open(Path(args.logs) / f"{name or engine}.log", "w") if args.logs else None
     try:
         for line in proc.stdout:
             if line.startswith("@@result "):
                 _reap(proc)
-                return json.loads(line[len("@@result "):])
+                return {**json.loads(line[len("@@result "):]), "plugin_log": plugin_log(plugin)}
             tail = (tail + [line])[-60:]
+            if PLUGIN_LOG_MARK in line:
+                plugin.append(line)
             if line.startswith(f"[{engine}] "):    # the child's progress: where a slow start stands
                 print(line, end="", flush=True)
             if log:
@@ -563,6 +567,9 @@ def run_rounds(args, engines, note):
             r["wall_s"], r["gpu"] = time.time() - t, gpu.summary()
             print(f"[bench_vllm_gpu] round {i + 1}/{args.rounds} {engine}: engine up in {r['engine_start_s']:.1f}s; "
                   f"{note(r)}{_gpu_text(r['gpu'])}", flush=True)
+            if i == 0:
+                print("".join(f"[bench_vllm_gpu] {engine}: {line}\n" for line in r.get("plugin_log", ())), end="",
+                      flush=True)
         rounds.append(this)
     return rounds
 

@@ -36,7 +36,8 @@ def test_rounds_interleave_engines_and_pool_every_timed_generate(tmp_path, monke
 
     def fake_engine(args, engine, name):
         order.append((engine, name))
-        return {"engine": engine, "engine_start_s": 20.0, "seconds": next(times[engine]), "tokens": 1000}
+        return {"engine": engine, "engine_start_s": 20.0, "seconds": next(times[engine]), "tokens": 1000,
+                "plugin_log": ["decode steps store K/V"] if engine == "plugin" else []}
 
     monkeypatch.setattr(bench, "run_engine", fake_engine)
     out = tmp_path / "b.json"
@@ -52,6 +53,7 @@ def test_rounds_interleave_engines_and_pool_every_timed_generate(tmp_path, monke
     printed = capsys.readouterr().out
     assert "per round, plugin / stock: 0.744, 1.077" in printed
     assert ["plugin", "27", "36.50", "0.890"] in [line.split() for line in printed.splitlines()]
+    assert printed.count("[bench_vllm_gpu] plugin: decode steps store K/V\n") == 1      # the first round's
 
 
 def test_a_bad_count_is_refused_in_one_line(tmp_path):
@@ -135,10 +137,14 @@ def test_each_engine_process_leaves_its_whole_output_under_logs(tmp_path, monkey
     monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: Child(lines))
     (tmp_path / "config.json").write_text("{}")
     args = bench.parse_args(["--model", str(tmp_path), "--logs", str(tmp_path)])
-    assert bench.run_engine(args, "stock", "stock-1") == {"engine": "stock"}
+    assert bench.run_engine(args, "stock", "stock-1") == {"engine": "stock", "plugin_log": []}
     assert (tmp_path / "stock-1.log").read_text() == "compiling\n[stock] engine up in 9.0 s; warm-up\n"
+    path = "(EngineCore pid=7) INFO [model.py:150] true_on_policy: decode steps store K/V\n"
+    lines = [path, path, '@@result {"engine": "plugin"}\n']            # the plugin's own lines, each once
+    assert bench.run_engine(args, "plugin", "plugin-1") == {"engine": "plugin", "plugin_log": ["decode steps store K/V"]}
+    lines = ["compiling\n", "[stock] engine up in 9.0 s; warm-up\n"]
     assert capsys.readouterr().out == "[stock] engine up in 9.0 s; warm-up\n"     # progress, not vLLM's log
-    lines = lines[:2]                                   # killed before its result: the log still has it
+                                                        # killed before its result: the log still has it
     with pytest.raises(SystemExit, match="the plugin engine failed"):
         bench.run_engine(args, "plugin", "plugin-1")
     assert (tmp_path / "plugin-1.log").read_text() == "compiling\n[stock] engine up in 9.0 s; warm-up\n"
@@ -159,7 +165,8 @@ def test_an_engine_process_that_does_not_exit_after_its_result_is_killed(tmp_pat
     child = Child()
     monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: child)
     (tmp_path / "config.json").write_text("{}")
-    assert bench.run_engine(bench.parse_args(["--model", str(tmp_path)]), "plugin") == {"engine": "plugin"}
+    assert bench.run_engine(bench.parse_args(["--model", str(tmp_path)]), "plugin") == {"engine": "plugin",
+                                                                                          "plugin_log": []}
     assert child.killed and "did not exit" in capsys.readouterr().out
 
 

@@ -279,7 +279,7 @@ def main(argv=None):
             localize = localize_exact(args, rollout, result, workdir)
     finally:
         rollout.close()
-    log = plugin_log(workdir / "vllm.log")
+    log = plugin_log((workdir / "vllm.log").read_text(errors="replace").splitlines())
     summary = {**summary_json(args, plan, model_dir, result, stats, localize, time.time() - t0, log), **gap}
     print_summary(summary)
     if args.json:

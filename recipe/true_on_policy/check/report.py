@@ -3,8 +3,6 @@
 JSON keys num_tokens, max_abs_logdiff, mean_abs_logdiff and frac_exact are a stable
 interface (CI and the H200 runs read them); new keys may be added, never renamed.
 """
-from pathlib import Path
-
 import torch
 
 PHASE_NAMES = ("initial", "updated")
@@ -32,16 +30,16 @@ def compare_phases(phases, trainer):
 PLUGIN_LOG_MARK = "true_on_policy: "       # how the plugin starts its log lines
 
 
-def plugin_log(log_path):
-    """The plugin's own lines in the engine's log, each once, in order: what it registered, each
-    worker's model and contract, the decode paths it took (e.g. K/V stored by the attention
-    prologue). [] for a stock engine (JSON key plugin_log)."""
-    lines = {}
-    for line in Path(log_path).read_text(errors="replace").splitlines():
+def plugin_log(lines):
+    """The plugin's own lines among an engine's log lines, each once, in order: what it registered,
+    each worker's model and contract, the decode paths it took (e.g. K/V stored by the attention
+    prologue). [] for a stock engine (JSON key plugin_log; bench_vllm_gpu.py's too)."""
+    found = {}
+    for line in lines:
         _, mark, message = line.partition(PLUGIN_LOG_MARK)
         if mark:
-            lines.setdefault(message.strip(), None)
-    return list(lines)
+            found.setdefault(message.strip(), None)
+    return list(found)
 
 
 def _stats(d):
