@@ -423,6 +423,41 @@ def probe_linear_decode(ms=(1, 16), tiles=None, shapes=DECODE_SHAPES):
                   flush=True)
 
 
+def probe_linear_split(ms=(1, 4, 16, 64), large=(1024, 4096), shapes=DECODE_SHAPES[:3], chunks=(512, 1024)):
+    """A fixed split of K: NOT the contract (one accumulator), a candidate change of it (matmul's
+    chunk=). K in chunks of C, each from zero, added in chunk order: in one program (what a trainer's
+    and a prefill's GEMMs would run: its cost at M 1024 / 4096, warm) or one program a chunk, the
+    tile's last arrival adding them (the decode tail: more programs stream the weights; o_proj's N 2048
+    gives 128 at M 1, each walking K 4096 alone: 11.7 us cold against a 5.6 us HBM line, cuBLAS 11.0,
+    H100 2026-12-07). Each warm / cold against cuBLAS and the contract's tile; the split's bits against
+    the one-program chunks (the same by construction: interpreter-tested)."""
+    from consistent_ops.triton import gemm
+    cold = Cold()
+
+    def us(fn):
+        return f"{_graph_ms(fn) * 1e3:.1f} / {cold(fn) * 1e3:.1f}"
+    for name, (k, n) in shapes:
+        w, x = rand(n, k, scale=k ** -0.5), rand(max(large), k)
+        for m in ms:
+            xs = x[:m]
+            row = [f"cuBLAS {us(lambda: F.linear(xs, w))}", f"contract {us(lambda: gemm.matmul(xs, w))}"]
+            for c in chunks:
+                split = (c, -(-k // c))
+                try:
+                    same = torch.equal(gemm.matmul(xs, w, chunk=split), gemm.matmul(xs, w, chunk=(c, 1)))
+                    row.append(f"C{c} one program {us(lambda: gemm.matmul(xs, w, chunk=(c, 1)))}, split x{split[1]} "
+                               f"{us(lambda: gemm.matmul(xs, w, chunk=split))} bits {'same' if same else 'DIFF'}")
+                except Exception as e:
+                    row.append(f"C{c} failed {type(e).__name__}: {str(e)[:60]}")
+            print(f"probe linear split {name} M={m} (us warm / cold): " + "; ".join(row), flush=True)
+        for m in large:
+            xs = x[:m]
+            row = [f"cuBLAS {_graph_ms(lambda: F.linear(xs, w)) * 1e3:.1f}",
+                   f"contract {_graph_ms(lambda: gemm.matmul(xs, w)) * 1e3:.1f}"]
+            row += [f"C{c} {_graph_ms(lambda c=c: gemm.matmul(xs, w, chunk=(c, 1))) * 1e3:.1f}" for c in chunks]
+            print(f"probe linear split {name} M={m} (us warm, chunks in one program): " + "; ".join(row), flush=True)
+
+
 def probe_linear_mid():
     """Decode batches of 64 and 256 sequences (M 64 / 256), cold as in a step, where the tiles in use
     trail cuBLAS at M=256 (H100 2026-12-06, `linear`: qkv 0.79x, o_proj 0.64x; they were picked from
@@ -789,7 +824,8 @@ def main():
                  probe_host=probe_host, probe_linear=probe_linear,
                  probe_decode_split=lambda: probe_decode_split(**decode_probe),
                  probe_fold_length=probe_fold_length, probe_decode_ncu=lambda: probe_decode_ncu(**decode_probe),
-                 probe_linear_decode=probe_linear_decode, probe_linear_mid=probe_linear_mid)
+                 probe_linear_decode=probe_linear_decode, probe_linear_mid=probe_linear_mid,
+                 probe_linear_split=probe_linear_split)
     bad = [k for k in args.only if k not in steps]
     if bad:
         ap.error(f"--only {' '.join(bad)}: no such section; choose from {', '.join(steps)}")

@@ -386,16 +386,19 @@ MEMORY_OPS = ("ld.global", "st.global", "cp.async", "atom.", "red.")
 
 @pytest.mark.parametrize("pdl", [True, False])
 def test_the_wait_compiles_before_any_global_memory_op(pdl):
-    """With PDL on, the GEMM and the split decode attention (atomics, async copies) compile the
-    grid-dependency wait, then the trigger, before their first global load, store or atomic; off
-    (the companion), neither instruction is there."""
+    """With PDL on, the GEMM (and the probe's K split over programs: atomics), and the split decode
+    attention (atomics, async copies) compile the grid-dependency wait, then the trigger, before
+    their first global load, store or atomic; off (the companion), neither instruction is there."""
     from consistent_ops.triton import gemm
-    gemm_kernel = compile_h200(gemm._gemm_kernel, {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Y": "*bf16"},
-                               dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", TMA=False, BLOCK_M=64,
-                                    BLOCK_N=64, BLOCK_K=64, GROUP_M=1, PDL=pdl),
-                               {"stride_xm", "stride_wn", "stride_ym", "K", "N"}, num_warps=4, num_stages=4,
-                               launch_pdl=pdl)
-    for kernel in (gemm_kernel, attention_compiled(True, True, 16, 4, 3, pdl=pdl)):
+
+    def gemm_kernel(chunk_k, split):
+        return compile_h200(gemm._gemm_kernel, {"X": "*bf16", "W": "*bf16", "Bias": "*bf16", "Y": "*bf16",
+                                                "Part": "*fp32", "Count": "*i32"},
+                            dict(HAS_BIAS=False, EVEN_K=True, PRECISION="tf32", TMA=False, BLOCK_M=64, BLOCK_N=64,
+                                 BLOCK_K=64, GROUP_M=1, CHUNK_K=chunk_k, SPLIT=split, PDL=pdl),
+                            {"stride_xm", "stride_wn", "stride_ym", "K", "N"}, num_warps=4, num_stages=4,
+                            launch_pdl=pdl)
+    for kernel in (gemm_kernel(0, 1), gemm_kernel(512, 4), attention_compiled(True, True, 16, 4, 3, pdl=pdl)):
         ops = _ptx_ops(kernel)
         grid = [i for i, op in enumerate(ops) if op.startswith("griddepcontrol")]
         memory = next(i for i, op in enumerate(ops) if op.startswith(MEMORY_OPS))

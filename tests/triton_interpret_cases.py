@@ -27,6 +27,7 @@ import consistent_ops as co  # noqa: E402
 from interpreter_bf16 import fix_interpreter_bf16  # noqa: E402
 import consistent_ops.reference as R  # noqa: E402
 import consistent_ops.triton as T  # noqa: E402
+from consistent_ops.triton import common  # noqa: E402
 from consistent_ops.triton.attention import _block_pages, _chunk_ptrs, _ds_before, _fold  # noqa: E402
 
 
@@ -258,8 +259,7 @@ def test_dummy_metadata_reads_inside_the_table_and_cache(kv_chunks):
 def _counters_idle():
     """The split launch's arrival counters are all back at 0 (each tile's last program resets its
     own): a tile that counted more or fewer programs than its chunks would leave one behind."""
-    from consistent_ops.triton import attention as ta
-    return all(not b.any() for bufs in ta._COUNTERS.values() for b in bufs)
+    return all(not b.any() for bufs in common.COUNTERS.values() for b in bufs)
 
 
 def _decode_tail(dtype):
@@ -311,7 +311,7 @@ def test_split_launch_equals_unsplit_launch_after_launch(dtype, chunk, monkeypat
     assert torch.isfinite(want.float()).all()
     for _ in range(3):
         assert torch.equal(ta._forward(*args, split=True), want) and _counters_idle()
-    assert ta._COUNTERS[want.device]                 # it did split
+    assert common.COUNTERS[want.device]                 # it did split
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "short-prefill"])
@@ -523,6 +523,25 @@ def test_a_split_of_k_gives_other_bits():
     x, w, fp32 = rand(150, 200, seed=31), rand(136, 200, scale=0.07, seed=32), torch.float32
     halves = sum(gemm.matmul(x[:, ks], w[:, ks], out_dtype=fp32) for ks in (slice(0, 96), slice(96, None)))
     assert not torch.equal(gemm.matmul(x, w, out_dtype=fp32), halves)
+
+
+@pytest.mark.parametrize("m, k", [(1, 448), (5, 200), (70, 448)])
+def test_k_chunks_over_programs_equal_the_chunks_in_one_program(m, k):
+    """The probe's K chunks (matmul's chunk=, not the contract): chunks of 128 from zero added in
+    chunk order in one program == those chunks' own GEMMs added in order, and == one program a
+    chunk with the tile's last arrival adding them, bit for bit (fp32 and bf16 out, a K that no
+    chunk divides, M past one tile), twice in a row (each tile's counter back at 0)."""
+    from consistent_ops.triton import gemm
+    x, w, fp32 = rand(m, k, seed=41), rand(136, k, scale=0.07, seed=42), torch.float32
+    chunks = -(-k // 128)
+    by_chunk = [gemm.matmul(x[:, c:c + 128], w[:, c:c + 128], out_dtype=fp32) for c in range(0, k, 128)]
+    assert torch.equal(gemm.matmul(x, w, out_dtype=fp32, chunk=(128, 1)), sum(by_chunk[1:], by_chunk[0]))
+    for out in (fp32, BF16):
+        one = gemm.matmul(x, w, out_dtype=out, chunk=(128, 1))
+        for _ in range(2):
+            assert torch.equal(gemm.matmul(x, w, out_dtype=out, chunk=(128, chunks)), one) and _counters_idle()
+    with pytest.raises(ValueError, match="CHUNK_K a multiple of BLOCK_K"):
+        gemm.matmul(x, w, chunk=(100, 1))
 
 
 def test_rms_norm_and_fused_residual():

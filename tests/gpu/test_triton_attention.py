@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 import torch.nn.functional as F  # noqa: E402
 
 import consistent_ops as co  # noqa: E402
+from consistent_ops.triton import common  # noqa: E402
 from harness import PagedKV  # noqa: E402
 
 co.set_backend("triton")
@@ -150,9 +151,8 @@ def test_another_kv_chunk_gives_other_bits(qkv, train):
 
 
 def _counters_idle():
-    from consistent_ops.triton import attention as ta
     torch.cuda.synchronize()
-    return all(not b.any() for bufs in ta._COUNTERS.values() for b in bufs)
+    return all(not b.any() for bufs in common.COUNTERS.values() for b in bufs)
 
 
 @pytest.mark.parametrize("fold_stages, fold_half, off32, segment",
@@ -201,7 +201,7 @@ def test_split_decode_graph_replays_equal_unsplit(fold_stages, fold_half, off32,
     with torch.cuda.stream(side):                   # eager warm-up: allocates the counters (never in capture)
         assert all(torch.equal(o, want) for o in launches())
     torch.cuda.current_stream().wait_stream(side)
-    assert ta._COUNTERS[q.device] and _counters_idle()
+    assert common.COUNTERS[q.device] and _counters_idle()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = launches()

@@ -204,6 +204,31 @@ def test_linear_rows_across_every_tile_entry(shape):
         assert torch.equal(gemm.matmul(x[:300], w, cfg=cfg), full[:300]), cfg
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_k_chunks_over_programs_equal_the_chunks_in_one_program(shape):
+    """The probe's fixed split of K (matmul's chunk=, not the contract): one program a chunk with the
+    tile's last arrival adding them == the chunks in one program, bit for bit, eagerly and over
+    20 replays of a captured graph, at the decode tail's M and past one tile; every counter back at 0.
+    Rows of M=1 == rows of M=300 with chunks in one program (the chunked linear is batch-invariant too)."""
+    from consistent_ops.triton import common, gemm
+    k, n = SHAPES[shape]
+    x, w = rand(300, k, seed=24), rand(n, k, seed=25, scale=k ** -0.5)
+    for c in (512, 1024):
+        full = gemm.matmul(x, w, chunk=(c, 1))
+        for m in (1, 4, 16, 64):
+            split = (c, -(-k // c))
+            assert torch.equal(gemm.matmul(x[:m], w, chunk=(c, 1)), full[:m]), (c, m)
+            assert torch.equal(gemm.matmul(x[:m], w, chunk=split), full[:m]), (c, m)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                y = gemm.matmul(x[:m], w, chunk=split)
+            for _ in range(20):
+                g.replay()
+                assert torch.equal(y, full[:m]), (c, m)
+    torch.cuda.synchronize()
+    assert all(not b.any() for bufs in common.COUNTERS.values() for b in bufs)
+
+
 def test_moe_rows_across_tile_configs(moe):
     """Batches of 1..8192 tokens and both tile sets (the GPU's and the interpreter's) forced: same bits."""
     from consistent_ops.triton import moe as tmoe

@@ -16,7 +16,7 @@ and the keys only:
 Keys come in KV chunks (contract.KV_CHUNK): the state restarts at each chunk and a tile folds
 its chunks' states in order (_fold). Small paged batches (the decode tail) run one program per
 (tile, chunk) instead, each writing its chunk's fp32 state; the last of a tile's programs to
-finish (an arrival counter per (tile, KV head), _last_to_arrive) folds them in the same order
+finish (an arrival counter per (tile, KV head), common.last_to_arrive) folds them in the same order
 with the same instructions (_fold_states), in the same launch: the same bits, many more
 programs at long context, no second launch. Over many waves the fold runs in segments of chunks
 (_fold_arrivals), each folded by its last arrival while later chunks walk.
@@ -32,7 +32,6 @@ over them by the program that owns the query tile, key blocks in ascending order
 buffer is bounded: query tiles run in windows whose dS fits _DS_BYTES (_ds_windows).
 """
 import functools
-import logging
 import struct
 
 import torch
@@ -41,9 +40,8 @@ import triton.language as tl
 
 from ..contract import KV_BLOCK, KV_CHUNK, TRITON_ATTENTION_SUM_BITS, TRITON_TILES, attention_scale
 from . import gemm
-from .common import launch, pdl_enter
+from .common import arrival_counters, last_to_arrive, launch, pdl_enter
 
-log = logging.getLogger("consistent_ops")
 
 # Forward tile (rows, warps) of training and prefill (decode steps: _DECODE_TILE). On the H200 it
 # was the fastest for chunked prefill (2k chunk at 8k: 64/4 0.83 ms vs 128/8 0.93 ms); 128/8 was
@@ -124,11 +122,6 @@ _FOLD_SEGMENT, _SEGMENT_PROGRAMS = 16, 2
 # over 8k 0.828 against 0.825 (a tie), B=64 x 8k decode 362.0 / 363.3 against 368.0 / 368.2 us (two
 # calls); the same bits.
 _CARRY_PAGES = True
-# The split launch's arrival counters (_counters): device -> every buffer allocated, the last in
-# use; at least _COUNTER_SLOTS (64 KiB), far more than the (tile program, KV head, fold segment)
-# triples of any launch the threshold splits (fewer than 264 pairs on the H200, 5 segments at a
-# 40k table, 16 at 128k).
-_COUNTERS, _COUNTER_SLOTS = {}, 1 << 14
 
 
 @triton.jit
@@ -522,23 +515,6 @@ def _chunk_store(WAcc, WML, c, qrow, head, valid, acc, m, l, T, HQ, chunks, D: t
 
 
 @triton.jit
-def _last_to_arrive(Count, n):
-    """Whether this program is the last of the n arrivals at Count (a tile's chunk programs that
-    stored their states, and in segments the folder before, its fold stored); that one resets
-    the counter to 0 (for the next launch or graph replay).
-    Ordering: every thread's state stores, then a CTA barrier, then ONE acq_rel atomic at gpu
-    scope (release: the barrier put the other threads' stores before it; acquire: the last
-    program sees every earlier program's release, the atomics on Count forming one chain).
-    The old value reaches every thread of the program through shared memory and a barrier,
-    so its loads after this (bypassing L1: _fold_states) see all n stores."""
-    tl.debug_barrier()
-    last = tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu") == n - 1
-    if last:
-        tl.store(Count, 0)   # no program of this launch touches Count again: all n have arrived
-    return last
-
-
-@triton.jit
 def _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, HQ, R: tl.constexpr, D: tl.constexpr,
                    SEG: tl.constexpr, STAGES: tl.constexpr):
     """Chunk c's arrival, its state stored, and the folds it then owes. A tile's n chunks fold in
@@ -554,7 +530,7 @@ def _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, HQ, R: tl.const
     per = tl.num_programs(0) * tl.num_programs(1)     # counters a segment: one per (tile program, KV head)
     mine = Count + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     s0 = c // size
-    go = _last_to_arrive(mine + s0 * per, tl.minimum(size, n - s0 * size) + (s0 > 0).to(tl.int32))
+    go = last_to_arrive(mine + s0 * per, tl.minimum(size, n - s0 * size) + (s0 > 0).to(tl.int32))
     done = s0 < 0                                      # False, as a tensor (a loop-carried value)
     acc, m, l = _fresh(R, D)
     for s in range(s0, last + 1):
@@ -566,7 +542,7 @@ def _fold_arrivals(WAcc, WML, Count, c, n, qrow, head, valid, T, HQ, R: tl.const
                 done = go
             else:
                 _chunk_store(WAcc, WML, hi - 1, qrow, head, valid, acc, m, l, T, HQ, tl.num_programs(2), D)
-                go = _last_to_arrive(mine + (s + 1) * per, tl.minimum(size, n - (s + 1) * size) + 1)
+                go = last_to_arrive(mine + (s + 1) * per, tl.minimum(size, n - (s + 1) * size) + 1)
     return done, acc, m, l
 
 
@@ -844,32 +820,6 @@ def _split_programs(device) -> int:
     return _SPLIT_WAVES * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
 
-def _counters(device, slots):
-    """The split launch's arrival counters on `device` (int32, one per (tile program, KV head, fold
-    segment), zero between launches: each tile's last program resets its own), at least `slots` of them;
-    None where that needs an allocation while the current stream is capturing a CUDA graph.
-    The rule: allocated at the first split launch (vLLM's eager warm-up before each capture
-    makes it), at least _COUNTER_SLOTS (one allocation serves every launch the threshold
-    splits), grown only outside capture (a capture that would need more launches unsplit: the
-    same bits), never freed (a captured graph keeps the address). One split launch in flight a
-    device at a time (one stream, graphs replayed one after another): concurrent ones would
-    share the counters."""
-    bufs = _COUNTERS.setdefault(device, [])
-    if not bufs or bufs[-1].numel() < slots:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            _warn_unsplit_capture(device)
-            return None
-        bufs.append(torch.zeros(max(slots, _COUNTER_SLOTS), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
-@functools.cache
-def _warn_unsplit_capture(device):
-    log.warning("attention on %s: a split launch was captured unsplit (the same bits, slower): its "
-                "counters are allocated only outside CUDA-graph capture (run the batch once eagerly first)",
-                device)
-
-
 def _fits_int32(*caches):
     """Whether every element offset of these paged caches (from their KV head's base) fits int32."""
     return all(c.shape[0] * c.stride(0) < 2 ** 31 for c in caches)
@@ -926,7 +876,7 @@ def _forward(q, k, v, q_start, seq_lens, table, scale, paged, lse=None, tile=Non
     if fold_segment is None:   # segments where the chunk programs span waves (shapes only)
         fold_segment = _FOLD_SEGMENT if programs * hkv * chunks > _SEGMENT_PROGRAMS * _split_programs(q.device) else 0
     segments = triton.cdiv(chunks, fold_segment) if fold_segment else 1
-    count = _counters(q.device, programs * hkv * segments) if split else o
+    count = arrival_counters(q.device, programs * hkv * segments, "attention") if split else o
     split = split and count is not None
     wacc, wml = ((torch.empty((chunks, t, hq, d), dtype=torch.float32, device=q.device),
                   torch.empty((2, chunks, t, hq), dtype=torch.float32, device=q.device)) if split else (o, o))

@@ -7,11 +7,14 @@ compiles exactly the code it always did and triton-ascend compiles the alternati
 """
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger("consistent_ops")
 
 # Arithmetic compiles as written: no FMA contraction (a*b+c rounded once), so every
 # compiled variant of a kernel (paged or not, 64 or 128 rows) rounds the contract's
@@ -88,3 +91,52 @@ def log32(x):
         return tl.log(x.to(tl.float64)).to(tl.float32)
     else:
         return tl.log(x)
+
+
+# Arrival counters of the split launches (attention's KV chunks, the linear's K chunks; arrival_counters):
+# device -> every buffer allocated, the last in use; at least COUNTER_SLOTS (64 KiB), far more than the
+# (tile program, KV head, fold segment) triples of any attention launch the threshold splits (fewer
+# than 264 pairs on the H200, 5 segments at a 40k table, 16 at 128k) or a decode GEMM's output tiles.
+COUNTERS, COUNTER_SLOTS = {}, 1 << 14
+
+
+@triton.jit
+def last_to_arrive(Count, n):
+    """Whether this program is the last of the n arrivals at Count (a tile's chunk programs that
+    stored their states, and in attention's segments the folder before, its fold stored); that one
+    resets the counter to 0 (for the next launch or graph replay).
+    Ordering: every thread's state stores, then a CTA barrier, then ONE acq_rel atomic at gpu
+    scope (release: the barrier put the other threads' stores before it; acquire: the last
+    program sees every earlier program's release, the atomics on Count forming one chain).
+    The old value reaches every thread of the program through shared memory and a barrier,
+    so its loads after this (bypassing L1: cache_modifier ".cg") see all n stores."""
+    tl.debug_barrier()
+    last = tl.atomic_add(Count, 1, sem="acq_rel", scope="gpu") == n - 1
+    if last:
+        tl.store(Count, 0)   # no program of this launch touches Count again: all n have arrived
+    return last
+
+
+def arrival_counters(device, slots, op):
+    """A split launch's arrival counters on `device` (int32, zero between launches: each tile's last
+    program resets its own), at least `slots` of them; None where that needs an allocation while the
+    current stream is capturing a CUDA graph (op, the caller's name, then logs once that it ran unsplit).
+    The rule: allocated at the first split launch (vLLM's eager warm-up before each capture
+    makes it), at least COUNTER_SLOTS (one allocation serves every launch), grown only outside
+    capture (a capture that would need more launches unsplit: the same bits), never freed (a
+    captured graph keeps the address). One split launch in flight a device at a time (one stream,
+    graphs replayed one after another; kernels in stream order share them): concurrent ones would
+    share the counters."""
+    bufs = COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < slots:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            _warn_unsplit_capture(op, device)
+            return None
+        bufs.append(torch.zeros(max(slots, COUNTER_SLOTS), dtype=torch.int32, device=device))
+    return bufs[-1]
+
+
+@functools.cache
+def _warn_unsplit_capture(op, device):
+    log.warning("%s on %s: a split launch was captured unsplit (the same bits, slower): its counters are "
+                "allocated only outside CUDA-graph capture (run the batch once eagerly first)", op, device)

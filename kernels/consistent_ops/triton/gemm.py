@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from ..contract import TRITON_TILES
-from .common import ASCEND as _ASCEND, HALF_DOT_PRECISION, INTERPRET as _INTERPRET, hopper_or_newer, launch, pdl_enter
+from .common import (ASCEND as _ASCEND, HALF_DOT_PRECISION, INTERPRET as _INTERPRET, arrival_counters,
+                     hopper_or_newer, last_to_arrive, launch, pdl_enter)
 
 # Tile by M and by the number of programs (the grid has to fill the 132 SMs without
 # splitting K). Each entry (contract.TRITON_TILES["gemm"]): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -89,23 +90,14 @@ def _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS: tl.constexpr):
     tl.store(Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
-    # 1. tile of this program
-    pid_m, pid_n = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _chain(X, W, pid_m, pid_n, xm, wn, k_lo, k_hi, K, stride_xm, stride_wn, EVEN_K: tl.constexpr,
+           PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """K from k_lo to k_hi walked in order into one fp32 accumulator, from zero."""
     rk = tl.arange(0, BLOCK_K)
-    # rows/cols past the edge read a valid row (mod) and are never stored
-    xm = (rm % M).to(tl.int64)
-    wn = (rn % N).to(tl.int64)
-    # 2. K walked in order into one fp32 accumulator
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         if TMA:  # CUDA-ONLY: X, W are host TensorDescriptors (Hopper bulk copies, zero-filled edges)
             a = X.load([pid_m * BLOCK_M, k0])
@@ -117,7 +109,46 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
             a = tl.load(X + xm[:, None] * stride_xm + kk[None, :], mask=kk[None, :] < K, other=0.0)
             b = tl.load(W + wn[None, :] * stride_wn + kk[:, None], mask=kk[:, None] < K, other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(X, W, Bias, Y, Part, Count, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, CHUNK_K: tl.constexpr = 0, SPLIT: tl.constexpr = 1,
+                 PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    # 1. tile of this program (SPLIT programs a tile: its K chunks)
+    pid_m, pid_n = _tile_of(tl.program_id(0) // SPLIT, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows/cols past the edge read a valid row (mod) and are never stored
+    xm = (rm % M).to(tl.int64)
+    wn = (rn % N).to(tl.int64)
+    if CHUNK_K == 0:    # 2. K walked in order into one fp32 accumulator (the contract)
+        acc = _chain(X, W, pid_m, pid_n, xm, wn, 0, K, K, stride_xm, stride_wn,
+                     EVEN_K, PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS)
+    elif SPLIT == 1:    # (probe) K in chunks of CHUNK_K, each from zero, added in chunk order
+        acc = _chain(X, W, pid_m, pid_n, xm, wn, 0, CHUNK_K, K, stride_xm, stride_wn,
+                     EVEN_K, PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        for c0 in range(CHUNK_K, K, CHUNK_K):
+            acc += _chain(X, W, pid_m, pid_n, xm, wn, c0, tl.minimum(c0 + CHUNK_K, K), K, stride_xm, stride_wn,
+                          EVEN_K, PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS)
+    else:               # (probe) the same chunks, one a program; the tile's last arrival adds them in order
+        c = tl.program_id(0) % SPLIT
+        part = _chain(X, W, pid_m, pid_n, xm, wn, c * CHUNK_K, tl.minimum((c + 1) * CHUNK_K, K), K, stride_xm,
+                      stride_wn, EVEN_K, PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+        live = (rm[:, None] < M) & (rn[None, :] < N)
+        at = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(Part + c * M * N + at, part, mask=live)
+        if last_to_arrive(Count + tl.program_id(0) // SPLIT, SPLIT):
+            acc = tl.load(Part + at, mask=live, other=0.0, cache_modifier=".cg")
+            for j in range(1, SPLIT):
+                acc += tl.load(Part + j * M * N + at, mask=live, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS)
 
 
 def tma_ready(*tensors):
@@ -133,9 +164,13 @@ def descriptor(t, block):
     return TensorDescriptor.from_tensor(t, block)
 
 
-def matmul(x2, weight, bias=None, out_dtype=None, cfg=None):
+def matmul(x2, weight, bias=None, out_dtype=None, cfg=None, chunk=None):
     """x2 [M, K] @ weight[N, K].T (+ bias) -> [M, N] in out_dtype (default x2's dtype).
-    cfg: a tile entry (as in _LARGE) instead of the one _config picks (probes only)."""
+    cfg: a tile entry (as in _LARGE) instead of the one _config picks (probes only).
+    chunk: (CHUNK_K, SPLIT), probes only (bench_triton.py --only probe_linear_split), not the
+    contract: K in chunks of CHUNK_K, each chunk's accumulator from zero, the chunks' sums added in
+    chunk order (other bits than the contract's one accumulator), SPLIT = 1 in one program, else one
+    program a chunk (SPLIT = the chunk count) and the tile's last arrival adds them."""
     m, k = x2.shape
     n = weight.shape[0]
     if weight.shape[1] != k:
@@ -147,17 +182,23 @@ def matmul(x2, weight, bias=None, out_dtype=None, cfg=None):
         return y
     bm, bn, bk, group, warps, stages, tma = cfg or _config(m, n)
     stages = max(2, min(stages, _SMEM // ((bm + bn) * bk * x2.element_size())))   # fp32 operands: fewer stages
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    chunk_k, split = chunk or (0, 1)
+    if chunk_k % bk or (split > 1 and split != triton.cdiv(k, chunk_k)):
+        raise ValueError(f"chunk {chunk}: CHUNK_K a multiple of BLOCK_K={bk}, SPLIT 1 or the chunk count")
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    count = arrival_counters(x2.device, tiles, "linear") if split > 1 else y
+    split = split if count is not None else 1          # in a capture without counters: one program, the same bits
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else y
     xa, wa = x2, weight
     tma = tma and tma_ready(x2, weight)
     if tma:
         xa, wa = descriptor(x2, [bm, bk]), descriptor(weight, [bn, bk])
     # fp32 operands: exact fp32 products ("ieee"), not tf32
     precision = "ieee" if x2.dtype == torch.float32 else HALF_DOT_PRECISION
-    _gemm_kernel[grid](xa, wa, bias if bias is not None else y, y, m, n, k, x2.stride(0), weight.stride(0),
-                       y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, PRECISION=precision, TMA=tma,
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages,
-                       **launch(x2))
+    _gemm_kernel[(tiles * split,)](xa, wa, bias if bias is not None else y, y, part, count, m, n, k, x2.stride(0),
+                                   weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % bk == 0,
+                                   PRECISION=precision, TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+                                   CHUNK_K=chunk_k, SPLIT=split, num_warps=warps, num_stages=stages, **launch(x2))
     return y
 
 
