@@ -57,7 +57,6 @@ NOT_HERE = {
     "pip install torch==2.10.0 torch-npu==2.10.0.post4 triton-ascend==3.2.0 vllm==0.23.0 vllm-ascend==0.23.0":
         "the NPU environment: pip downloads, for an Ascend host",
     "bash scripts/gpu_suite.sh $OUT": "needs a CUDA GPU (the H200, through the device tool)",
-    "python3 -m pytest -q -x tests/gpu": "needs a CUDA GPU (the device tool's python3; without one its tests skip)",
     "bash scripts/gpu_vllm_suite.sh STEP... $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
     "bash scripts/gpu_vllm_suite.sh tail $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
     "bash scripts/gpu_vllm_suite.sh tail48 $OUT": "needs a CUDA GPU (the H200) and the vLLM 0.26 environment there",
