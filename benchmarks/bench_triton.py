@@ -423,6 +423,9 @@ def probe_linear_decode(ms=(1, 16), tiles=None, shapes=DECODE_SHAPES):
                   flush=True)
 
 
+SPLIT_WIDE = (16, 64, 256, 1, 4, 4, True)     # probe_linear_split's other tile at M <= 16
+
+
 def probe_linear_split(ms=(1, 4, 16, 64), large=(1024, 4096), shapes=DECODE_SHAPES[:3], chunks=(512, 1024)):
     """A fixed split of K: NOT the contract (one accumulator), a candidate change of it (matmul's
     chunk=). K in chunks of C, each from zero, added in chunk order: in one program (what a trainer's
@@ -444,9 +447,14 @@ def probe_linear_split(ms=(1, 4, 16, 64), large=(1024, 4096), shapes=DECODE_SHAP
             for c in chunks:
                 split = (c, -(-k // c))
                 try:
-                    same = torch.equal(gemm.matmul(xs, w, chunk=split), gemm.matmul(xs, w, chunk=(c, 1)))
-                    row.append(f"C{c} one program {us(lambda: gemm.matmul(xs, w, chunk=(c, 1)))}, split x{split[1]} "
-                               f"{us(lambda: gemm.matmul(xs, w, chunk=split))} bits {'same' if same else 'DIFF'}")
+                    one = gemm.matmul(xs, w, chunk=(c, 1))
+                    row.append(f"C{c} one program {us(lambda: gemm.matmul(xs, w, chunk=(c, 1)))}")
+                    # over split x programs: the tile in use, and at M <= 16 64 columns a tile (4x fewer tiles)
+                    for cfg in (None, SPLIT_WIDE)[:1 + (m <= 16)]:
+                        same = torch.equal(gemm.matmul(xs, w, cfg=cfg, chunk=split), one)
+                        row.append(f"split x{split[1]}{' ' + str(cfg[:3]) if cfg else ''} "
+                                   f"{us(lambda: gemm.matmul(xs, w, cfg=cfg, chunk=split))} "
+                                   f"bits {'same' if same else 'DIFF'}")
                 except Exception as e:
                     row.append(f"C{c} failed {type(e).__name__}: {str(e)[:60]}")
             print(f"probe linear split {name} M={m} (us warm / cold): " + "; ".join(row), flush=True)
