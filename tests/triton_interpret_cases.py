@@ -525,12 +525,13 @@ def test_a_split_of_k_gives_other_bits():
     assert not torch.equal(gemm.matmul(x, w, out_dtype=fp32), halves)
 
 
-@pytest.mark.parametrize("m, k", [(1, 448), (5, 200), (70, 448)])
+@pytest.mark.parametrize("m, k", [(1, 448), (5, 200), (70, 448), (3, 64)])
 def test_k_chunks_over_programs_equal_the_chunks_in_one_program(m, k):
     """The probe's K chunks (matmul's chunk=, not the contract): chunks of 128 from zero added in
     chunk order in one program == those chunks' own GEMMs added in order, and == one program a
     chunk with the tile's last arrival adding them, bit for bit (fp32 and bf16 out, a K that no
-    chunk divides, M past one tile), twice in a row (each tile's counter back at 0)."""
+    chunk divides, one chunk longer than K, M past one tile), twice in a row (each tile's counter
+    back at 0)."""
     from consistent_ops.triton import gemm
     x, w, fp32 = rand(m, k, seed=41), rand(136, k, scale=0.07, seed=42), torch.float32
     chunks = -(-k // 128)

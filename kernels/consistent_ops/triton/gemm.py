@@ -1,7 +1,7 @@
 """Batch-invariant linear on Triton, and its tensor-parallel row-parallel form.
 
 out[m, n] is one fp32 accumulator carried through K in tiles walked in order (no
-split-K, no stream-K), rounded once. The MMA computes each output element from its
+split-K, no stream-K; matmul's chunk= probes a fixed split of K, not the contract), rounded once. The MMA computes each output element from its
 own row and column only, so a row's bits never depend on M or on the other rows.
 The tile shape is picked by M and by the program count for speed: on the H200 every
 shape tried (BLOCK_M 16..256, BLOCK_N 16..256, BLOCK_K 64..256, 4/8 warps, 3..8 stages,
@@ -131,7 +131,7 @@ def _gemm_kernel(X, W, Bias, Y, Part, Count, M, N, K, stride_xm, stride_wn, stri
                      EVEN_K, PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
         _epilogue(acc, Bias, Y, rm, rn, M, N, stride_ym, HAS_BIAS)
     elif SPLIT == 1:    # (probe) K in chunks of CHUNK_K, each from zero, added in chunk order
-        acc = _chain(X, W, pid_m, pid_n, xm, wn, 0, CHUNK_K, K, stride_xm, stride_wn,
+        acc = _chain(X, W, pid_m, pid_n, xm, wn, 0, tl.minimum(CHUNK_K, K), K, stride_xm, stride_wn,
                      EVEN_K, PRECISION, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
         for c0 in range(CHUNK_K, K, CHUNK_K):
             acc += _chain(X, W, pid_m, pid_n, xm, wn, c0, tl.minimum(c0 + CHUNK_K, K), K, stride_xm, stride_wn,
