@@ -41,7 +41,7 @@ HALF_DOT_PRECISION = "ieee" if ASCEND else "tf32"
 # kernel before it in the stream still runs. Its programs first wait (griddepcontrol.wait) for that
 # kernel to finish with its writes visible, then let the next kernel start (pdl_enter), so every
 # read and write follows the previous kernel's as without it: the same bits, while the launch gap
-# and the programs' start overlap the previous kernel's tail (a decode step is ~10 launches a layer).
+# and the programs' start overlap the previous kernel's tail (a decode step is ~12 launches a layer).
 # H100, 48-layer decode step (bench_rollout_gpu.py, 2026-12-07): 1.1-3.7 % faster at B=1 x 1k / 8k,
 # 4 x 8k / 32k, every run trainer == rollout. A speed choice, not in the fingerprint;
 # CONSISTENT_OPS_PDL=0 turns it off.
