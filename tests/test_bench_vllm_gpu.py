@@ -141,10 +141,10 @@ def test_each_engine_process_leaves_its_whole_output_under_logs(tmp_path, monkey
     assert (tmp_path / "stock-1.log").read_text() == "compiling\n[stock] engine up in 9.0 s; warm-up\n"
     path = "(EngineCore pid=7) INFO [model.py:150] true_on_policy: decode steps store K/V\n"
     lines = [path, path, '@@result {"engine": "plugin"}\n']            # the plugin's own lines, each once
-    assert bench.run_engine(args, "plugin", "plugin-1") == {"engine": "plugin", "plugin_log": ["decode steps store K/V"]}
-    lines = ["compiling\n", "[stock] engine up in 9.0 s; warm-up\n"]
+    assert bench.run_engine(args, "plugin", "plugin-1") == {"engine": "plugin",
+                                                            "plugin_log": ["decode steps store K/V"]}
     assert capsys.readouterr().out == "[stock] engine up in 9.0 s; warm-up\n"     # progress, not vLLM's log
-                                                        # killed before its result: the log still has it
+    lines = ["compiling\n", "[stock] engine up in 9.0 s; warm-up\n"]      # killed before its result: the log has it
     with pytest.raises(SystemExit, match="the plugin engine failed"):
         bench.run_engine(args, "plugin", "plugin-1")
     assert (tmp_path / "plugin-1.log").read_text() == "compiling\n[stock] engine up in 9.0 s; warm-up\n"
