@@ -182,13 +182,16 @@ def matmul(x2, weight, bias=None, out_dtype=None, cfg=None, chunk=None):
         return y
     bm, bn, bk, group, warps, stages, tma = cfg or _config(m, n)
     stages = max(2, min(stages, _SMEM // ((bm + bn) * bk * x2.element_size())))   # fp32 operands: fewer stages
-    chunk_k, split = chunk or (0, 1)
-    if chunk_k % bk or (split > 1 and split != triton.cdiv(k, chunk_k)):
-        raise ValueError(f"chunk {chunk}: CHUNK_K a multiple of BLOCK_K={bk}, SPLIT 1 or the chunk count")
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    count = arrival_counters(x2.device, tiles, "linear") if split > 1 else y
-    split = split if count is not None else 1          # in a capture without counters: one program, the same bits
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else y
+    chunk_k, split, part, count = 0, 1, y, y       # the contract: one accumulator (Part, Count unused)
+    if chunk:                                      # the probe's K chunks
+        chunk_k, split = chunk
+        if chunk_k % bk or (split > 1 and split != triton.cdiv(k, chunk_k)):
+            raise ValueError(f"chunk {chunk}: CHUNK_K a multiple of BLOCK_K={bk}, SPLIT 1 or the chunk count")
+        if split > 1:
+            count = arrival_counters(x2.device, tiles, "linear")
+            split = split if count is not None else 1   # in a capture without counters: one program, the same bits
+            part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else y
     xa, wa = x2, weight
     tma = tma and tma_ready(x2, weight)
     if tma:

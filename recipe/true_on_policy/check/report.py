@@ -65,7 +65,7 @@ def summary_json(args, plan, model_dir, result, stats, localize, wall_s, log):
         rollout_fingerprint=result.get("fingerprint"), trainer_fingerprint=_trainer_fingerprint(args, model_dir),
         engine_start_s=result.get("engine_start_s"), generate_s=result.get("generate_s"),
         rollout_tokens_per_s=gen_tokens / result["generate_s"] if result.get("generate_s") else None,
-        wall_s=wall_s, localize=localize, plugin_log=list(log))
+        wall_s=wall_s, localize=localize, plugin_log=log)
     return out
 
 
